@@ -1,0 +1,26 @@
+# The README's two commands are `make demo` and `make test`; both set everything up first.
+.PHONY: setup demo test lint typecheck pytest bench clean
+
+setup:
+	@bash scripts/setup.sh
+
+demo: setup
+	.venv/bin/python -m pffs.demo
+
+lint: setup
+	.venv/bin/ruff check .
+	.venv/bin/ruff format --check .
+
+typecheck: setup
+	@bash scripts/typecheck.sh
+
+pytest: setup
+	.venv/bin/python -m pytest -p no:cacheprovider
+
+test: lint typecheck pytest
+
+bench: setup
+	.venv/bin/python bench/sdk.py
+
+clean:
+	rm -rf build .venv .pytest_cache .mypy_cache .ruff_cache

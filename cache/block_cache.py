@@ -1,0 +1,145 @@
+"""The two-level block cache: memory (LRU, bytes-bounded) over disk (diskcache, bytes-bounded, shared).
+
+A block is looked up memory → disk → `fetch()`. One fetch per key at a time: threads of this process wait on
+single-flight, other processes wait on a striped file lock and then find the block on disk. The cache knows
+nothing of objects or backends: callers build keys that change when the object changes (see DESIGN.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sqlite3
+import weakref
+from collections.abc import Callable
+from pathlib import Path
+
+from .disk_tier import DiskTier
+from .file_lock import StripedFileLocks
+from .memory_tier import MemoryTier
+from .single_flight import SingleFlight
+from .stats import CacheStats, read_totals, reset_totals
+
+log = logging.getLogger(__name__)
+
+Block = bytes | memoryview
+STATS_FILE = "stats.sqlite"
+
+
+class BlockCache:
+    def __init__(
+        self,
+        directory: str | Path | None,
+        disk_capacity_bytes: int,
+        memory_capacity_bytes: int,
+    ) -> None:
+        self.directory = Path(directory) if directory is not None else None
+        self.disk: DiskTier | None = None
+        self.locks: StripedFileLocks | None = None
+        if self.directory is not None:
+            try:
+                self.directory.mkdir(parents=True, exist_ok=True)
+                self.stats = CacheStats(self.directory / STATS_FILE)
+                self.disk = DiskTier(self.directory, disk_capacity_bytes, self.stats)
+                self.locks = StripedFileLocks(self.directory / "locks")
+            except (OSError, sqlite3.Error) as exc:
+                log.warning(
+                    "disk cache %s is not usable (%s); caching in memory only. "
+                    "Point --cache-dir at a writable directory to share a disk cache.",
+                    self.directory,
+                    exc,
+                )
+                self.disk = None
+        if self.disk is None:
+            self.stats = CacheStats(None)
+        self.memory = MemoryTier(memory_capacity_bytes, self.stats)
+        self._flight: SingleFlight[Block] = SingleFlight()
+        ref = weakref.ref(self)
+        os.register_at_fork(after_in_child=lambda: (c := ref()) is not None and c._reset_after_fork())
+
+    def _reset_after_fork(self) -> None:
+        self.memory.reset_after_fork()
+        self.stats.reset_after_fork()
+        self._flight.reset_after_fork()
+
+    def get(self, key: str, fetch: Callable[[], Block], *, keep_in_memory: bool = True) -> Block:
+        data = self.memory.get(key)
+        if data is not None:
+            self.stats.add("memory_hits")
+            self.stats.add("bytes_from_memory", len(data))
+            return data
+        return self._flight.run(key, lambda: self._load(key, fetch, keep_in_memory))
+
+    def ensure_on_disk(self, key: str, fetch: Callable[[], Block]) -> bool:
+        """For warm-up: stores the block on disk if it is not there yet. Returns True if it was fetched."""
+        if self.disk is not None and self.disk.contains(key):
+            return False
+        misses_before = self.stats.snapshot()["misses"]
+        self._flight.run(key, lambda: self._load(key, fetch, keep_in_memory=False))
+        return self.stats.snapshot()["misses"] > misses_before
+
+    def _load(self, key: str, fetch: Callable[[], Block], keep_in_memory: bool) -> Block:
+        data = self._from_disk(key)
+        if data is None:
+            if self.locks is None:
+                data = self._fetch(key, fetch)
+            else:
+                with self.locks.hold(key):
+                    # Another process may have fetched it while we waited for the lock.
+                    data = self._from_disk(key)
+                    if data is None:
+                        data = self._fetch(key, fetch)
+        if keep_in_memory:
+            self.memory.put(key, data)
+        return data
+
+    def _from_disk(self, key: str) -> Block | None:
+        if self.disk is None:
+            return None
+        data = self.disk.get(key)
+        if data is not None:
+            self.stats.add("disk_hits")
+            self.stats.add("bytes_from_disk", len(data))
+        return data
+
+    def _fetch(self, key: str, fetch: Callable[[], Block]) -> Block:
+        data = fetch()
+        self.stats.add("misses")
+        self.stats.add("bytes_fetched", len(data))
+        if self.disk is not None:
+            self.disk.put(key, data)
+        return data
+
+    def discard(self, key: str) -> None:
+        self.memory.discard(key)
+        if self.disk is not None:
+            self.disk.discard(key)
+
+    def clear(self) -> int:
+        self.memory.clear()
+        removed = self.disk.clear() if self.disk is not None else 0
+        if self.directory is not None:
+            reset_totals(self.directory / STATS_FILE)
+        return removed
+
+    def usage(self) -> dict[str, int]:
+        return {
+            "memory_bytes": self.memory.used_bytes,
+            "memory_blocks": len(self.memory),
+            "memory_capacity_bytes": self.memory.capacity_bytes,
+            "disk_bytes": self.disk.used_bytes() if self.disk is not None else 0,
+            "disk_blocks": len(self.disk) if self.disk is not None else 0,
+            "disk_capacity_bytes": self.disk.capacity_bytes if self.disk is not None else 0,
+        }
+
+    def machine_totals(self) -> dict[str, int]:
+        """Counters of every process that used this cache directory (after flushing ours)."""
+        self.stats.flush()
+        if self.directory is None:
+            return self.stats.snapshot()
+        return read_totals(self.directory / STATS_FILE)
+
+    def close(self) -> None:
+        self.stats.flush()
+        if self.disk is not None:
+            self.disk.close()

@@ -1,0 +1,177 @@
+"""A backend: one fsspec filesystem plus what the cache needs from it: object identity, ranged reads that
+refuse to mix versions, listings with sizes, and one retry policy.
+
+The fsspec filesystem is made per process: s3fs runs its own event-loop thread, which a forked child (a
+PyTorch DataLoader worker, say) does not have, so a child makes its own on first use.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import fsspec
+from fsspec.asyn import sync
+
+from pffs.backends.errors import ObjectChangedError
+from pffs.backends.identity import identity_token
+from pffs.backends.options import BackendOptions
+from pffs.backends.retry import RetryPolicy
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectInfo:
+    """One listed or stat'ed entry. `path` is the backend's own path (no scheme)."""
+
+    path: str
+    size: int
+    is_dir: bool
+    identity: str  # see identity.identity_token
+    etag: str | None = None  # S3's raw ETag, for If-Match
+    version_id: str | None = None
+
+    @property
+    def cache_id(self) -> str:
+        """Prefix of every cache key for this version of this object."""
+        raw = f"{self.path}\0{self.identity}\0{self.size}".encode()
+        return hashlib.blake2b(raw, digest_size=16).hexdigest()
+
+
+class Backend:
+    """Any fsspec filesystem. Subclasses add what a protocol can do better (S3: If-Match reads)."""
+
+    def __init__(
+        self,
+        protocol: str,
+        make_fs: Callable[[], fsspec.AbstractFileSystem],
+        retry: RetryPolicy | None = None,
+    ) -> None:
+        self.protocol = protocol
+        self._make_fs = make_fs
+        self.retry = retry or RetryPolicy()
+        self._fs: fsspec.AbstractFileSystem | None = None
+        self._fs_pid = 0
+        self._lock = threading.Lock()
+
+    @property
+    def fs(self) -> fsspec.AbstractFileSystem:
+        if self._fs is None or self._fs_pid != os.getpid():
+            with self._lock:
+                if self._fs is None or self._fs_pid != os.getpid():
+                    self._fs = self._make_fs()
+                    self._fs_pid = os.getpid()
+        return self._fs
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state.update(_fs=None, _fs_pid=0, _lock=None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    def url(self, path: str) -> str:
+        return f"{self.protocol}://{path}" if self.protocol != "file" else path
+
+    def _to_info(self, raw: dict[str, Any]) -> ObjectInfo:
+        path = self.fs._strip_protocol(raw["name"])
+        is_dir = raw.get("type") == "directory"
+        return ObjectInfo(
+            path=path,
+            size=int(raw.get("size") or 0),
+            is_dir=is_dir,
+            identity="dir" if is_dir else identity_token(self.protocol, raw),
+            etag=raw.get("ETag"),
+            version_id=raw.get("VersionId") or None,
+        )
+
+    def stat(self, path: str) -> ObjectInfo:
+        return self._to_info(self.retry.call(lambda: self.fs.info(path), self.url(path)))
+
+    def list(self, path: str) -> list[ObjectInfo]:
+        entries = self.retry.call(lambda: self.fs.ls(path, detail=True), self.url(path))
+        return [self._to_info(e) for e in entries]
+
+    def find(self, path: str) -> list[ObjectInfo]:
+        """Every object under path (recursive), from as few listing requests as the backend allows."""
+        found = self.retry.call(lambda: self.fs.find(path, detail=True), self.url(path))
+        return [self._to_info(e) for e in found.values() if e.get("type") != "directory"]
+
+    def read_range(self, info: ObjectInfo, start: int, end: int) -> bytes:
+        """Bytes [start, end) of exactly the version `info` describes, or ObjectChangedError."""
+
+        def read() -> bytes:
+            data = self.fs.cat_file(info.path, start=start, end=end)
+            if len(data) != end - start or self.verify_after_read:
+                self._check_unchanged(info)
+            if len(data) != end - start:
+                raise OSError(f"short read: {len(data)} of {end - start} bytes")
+            return data
+
+        return self.retry.call(read, self.url(info.path))
+
+    # Cheap-to-stat backends check the object is unchanged after every read; others only after a short read.
+    verify_after_read = False
+
+    def _check_unchanged(self, info: ObjectInfo) -> None:
+        self.fs.invalidate_cache(info.path)
+        now = self._to_info(self.fs.info(info.path))
+        if (now.identity, now.size) != (info.identity, info.size):
+            raise ObjectChangedError(self.url(info.path))
+
+    def invalidate(self, path: str) -> None:
+        self.fs.invalidate_cache(path)
+
+
+class LocalBackend(Backend):
+    verify_after_read = True
+
+
+class S3Backend(Backend):
+    """Ranged GETs pinned to the version read at open: If-Match on the ETag (or the version id)."""
+
+    def read_range(self, info: ObjectInfo, start: int, end: int) -> bytes:
+        fs: Any = self.fs
+        bucket, key, _ = fs.split_path(info.path)
+        request: dict[str, Any] = {"Bucket": bucket, "Key": key, "Range": f"bytes={start}-{end - 1}"}
+        if info.version_id:
+            request["VersionId"] = info.version_id
+        elif info.etag:
+            request["IfMatch"] = info.etag
+
+        async def get() -> bytes:
+            response = await fs._call_s3("get_object", **request)
+            body = response["Body"]
+            try:
+                data: bytes = await body.read()
+            finally:
+                body.close()
+            if info.etag and response.get("ETag") not in (None, info.etag):
+                raise ObjectChangedError(self.url(info.path))
+            return data
+
+        def read() -> bytes:
+            try:
+                data = sync(fs.loop, get)
+            except OSError as exc:
+                if _s3_error_code(exc) == "PreconditionFailed":
+                    raise ObjectChangedError(self.url(info.path)) from exc
+                raise
+            if len(data) != end - start:
+                raise OSError(f"short read: {len(data)} of {end - start} bytes")
+            return data
+
+        return self.retry.call(read, self.url(info.path))
+
+
+def _s3_error_code(exc: BaseException) -> str | None:
+    response = getattr(exc.__cause__, "response", None) or getattr(exc, "response", None)
+    if isinstance(response, dict):
+        code = response.get("Error", {}).get("Code")
+        return str(code) if code else None
+    return None

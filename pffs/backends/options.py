@@ -1,0 +1,27 @@
+"""Backend options: where the data is and how to sign in. Credentials are SecretStr so they never print."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
+
+
+class BackendOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    endpoint_url: str | None = Field(None, description="S3 endpoint, e.g. http://127.0.0.1:8333")
+    region: str | None = None
+    anonymous: bool = False
+    # Explicit credentials are for programs (the SDK, the CSI plugin); the command line takes them only from
+    # the standard AWS environment variables, a profile, or a credentials file.
+    access_key_id: SecretStr | None = None
+    secret_access_key: SecretStr | None = None
+    session_token: SecretStr | None = None
+    profile: str | None = None
+    credentials_file: str | None = None
+    connect_timeout_s: float = 5.0
+    read_timeout_s: float = 30.0
+    max_connections: int = 64
+    # Passed through untouched to fsspec for non-S3 backends (hdfs host/port, webhdfs user, ...).
+    extra: dict[str, Any] = Field(default_factory=dict)

@@ -1,0 +1,127 @@
+"""One retry policy for every backend: temporary failures are retried with capped, jittered exponential
+backoff; permanent ones (403, 404, bad request) are raised at once with a message naming the URL.
+
+Messages are built from the error's type and the server's text, never from the request, so credentials
+cannot leak into them.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+from pffs.backends.errors import BackendUnavailableError, ObjectChangedError
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+PERMANENT_ERRORS: tuple[type[BaseException], ...] = (
+    FileNotFoundError,
+    PermissionError,
+    IsADirectoryError,
+    NotADirectoryError,
+    FileExistsError,
+    ObjectChangedError,
+    ValueError,
+    TypeError,
+    NotImplementedError,
+)
+# s3fs maps 4xx answers it has no better class for to these errnos.
+PERMANENT_ERRNOS = {errno.EINVAL, errno.ENOENT, errno.EACCES, errno.EPERM, errno.ENOTEMPTY, errno.EEXIST}
+TEMPORARY_ERROR_CODES = {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "InternalError"}
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    attempts: int = 4
+    base_delay_s: float = 0.2
+    max_delay_s: float = 5.0
+
+    def delay(self, attempt: int) -> float:
+        capped = min(self.max_delay_s, self.base_delay_s * (2**attempt))
+        return capped * (0.5 + random.random() / 2)
+
+    def call(self, fn: Callable[[], T], url: str) -> T:
+        for attempt in range(self.attempts):
+            try:
+                return fn()
+            except BaseException as exc:
+                if not is_temporary(exc):
+                    raise permanent_error(exc, url) from exc
+                if attempt == self.attempts - 1:
+                    raise BackendUnavailableError(
+                        f"{url}: backend unavailable after {self.attempts} attempts: {describe(exc)}"
+                    ) from exc
+                pause = self.delay(attempt)
+                log.debug("temporary failure on %s (%s); retrying in %.2fs", url, describe(exc), pause)
+                time.sleep(pause)
+        raise AssertionError("unreachable")
+
+
+def is_temporary(exc: BaseException) -> bool:
+    if isinstance(exc, (KeyboardInterrupt, SystemExit, GeneratorExit)):
+        return False
+    if isinstance(exc, PERMANENT_ERRORS):
+        return False
+    if isinstance(exc, (ConnectionError, TimeoutError)):
+        return True
+    status, code = _http_status(exc)
+    if status is not None:
+        return status >= 500 or status == 429 or code in TEMPORARY_ERROR_CODES
+    if isinstance(exc, OSError):
+        return exc.errno not in PERMANENT_ERRNOS
+    # botocore and aiohttp connection/timeout errors are not OSErrors; recognise them by name.
+    names = {cls.__name__ for cls in type(exc).__mro__}
+    return bool(
+        names
+        & {
+            "EndpointConnectionError",
+            "ConnectTimeoutError",
+            "ReadTimeoutError",
+            "ConnectionClosedError",
+            "ClientConnectorError",
+            "ServerDisconnectedError",
+            "ClientPayloadError",
+            "IncompleteReadError",
+            "ResponseStreamingError",
+        }
+    )
+
+
+def _http_status(exc: BaseException) -> tuple[int | None, str | None]:
+    """The HTTP status and error code of a botocore ClientError, here or as the cause of an s3fs error."""
+    for candidate in (exc, exc.__cause__):
+        response = getattr(candidate, "response", None)
+        if isinstance(response, dict):
+            meta = response.get("ResponseMetadata", {})
+            return meta.get("HTTPStatusCode"), response.get("Error", {}).get("Code")
+    return None, None
+
+
+def describe(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    return text.splitlines()[0][:300]
+
+
+def permanent_error(exc: BaseException, url: str) -> BaseException:
+    """The same kind of error, with a message that names the URL and what to do."""
+    if isinstance(exc, ObjectChangedError) or not isinstance(exc, OSError | ValueError):
+        return exc
+    if isinstance(exc, FileNotFoundError):
+        if "bucket" in str(exc).lower():
+            return FileNotFoundError(errno.ENOENT, f"{url}: the bucket does not exist ({describe(exc)})")
+        return FileNotFoundError(errno.ENOENT, f"{url}: no such file or object")
+    if isinstance(exc, PermissionError):
+        return PermissionError(
+            errno.EACCES,
+            f"{url}: access denied ({describe(exc)}); check the credentials "
+            "(AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE or the credentials file) and the bucket policy",
+        )
+    if isinstance(exc, OSError):
+        return type(exc)(exc.errno, f"{url}: {describe(exc)}")
+    return type(exc)(f"{url}: {describe(exc)}")

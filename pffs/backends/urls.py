@@ -1,0 +1,100 @@
+"""From a URL and options to a Backend and the path inside it.
+
+    s3://bucket/prefix  s3a://...       S3 (or any S3-compatible server, with endpoint_url)
+    /data/x  file:///data/x             the local filesystem
+    memory://x                          fsspec's in-memory filesystem (tests, demos)
+    hdfs://namenode:8020/path           HDFS through pyarrow (needs libhdfs and a JVM)
+    webhdfs://namenode:9870/path        HDFS over HTTP
+    gs://, az://, ...                   any other installed fsspec backend, with options in `extra`
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from functools import partial
+from typing import Any
+
+import fsspec
+from fsspec.registry import known_implementations
+
+from pffs.backends.backend import Backend, LocalBackend, S3Backend
+from pffs.backends.errors import UnknownSchemeError
+from pffs.backends.options import BackendOptions
+
+ALIASES = {"s3a": "s3", "local": "file"}
+
+
+def split_url(url: str) -> tuple[str, str]:
+    """(protocol, rest) for a URL or a plain local path."""
+    if "://" not in url:
+        return "file", os.path.abspath(os.path.expanduser(url))
+    scheme, rest = url.split("://", 1)
+    scheme = scheme.lower()
+    if not re.fullmatch(r"[a-z][a-z0-9+.-]*", scheme):
+        raise UnknownSchemeError(f"{url!r} is not a URL or a path")
+    return ALIASES.get(scheme, scheme), rest
+
+
+def open_backend(url: str, options: BackendOptions | None = None) -> tuple[Backend, str]:
+    """The backend for `url` and the path inside it (bucket/prefix for S3, an absolute path for files)."""
+    options = options or BackendOptions()
+    protocol, rest = split_url(url)
+    if protocol == "s3":
+        return S3Backend("s3", partial(_make_s3fs, options)), rest.strip("/")
+    if protocol == "file":
+        path = rest if rest.startswith("/") else "/" + rest
+        return LocalBackend("file", partial(fsspec.filesystem, "file")), os.path.normpath(path)
+    if protocol not in known_implementations and protocol not in fsspec.available_protocols():
+        raise UnknownSchemeError(
+            f"unknown URL scheme {protocol!r} in {url!r}; use s3://, file:// (or a path), memory://, "
+            "hdfs://, webhdfs:// or another installed fsspec protocol"
+        )
+    storage_options: dict[str, Any] = dict(options.extra)
+    cls = fsspec.get_filesystem_class(protocol)
+    storage_options = {**cls._get_kwargs_from_urls(url), **storage_options}
+    path = cls._strip_protocol(url)
+    storage_options.setdefault("skip_instance_cache", True)
+    backend_cls = LocalBackend if protocol == "memory" else Backend
+    return backend_cls(protocol, partial(fsspec.filesystem, protocol, **storage_options)), path
+
+
+def _make_s3fs(options: BackendOptions) -> fsspec.AbstractFileSystem:
+    import s3fs  # imported here: only S3 users pay for botocore
+
+    kwargs: dict[str, Any] = {
+        "anon": options.anonymous,
+        "skip_instance_cache": True,
+        # Our metadata cache has its own TTL; s3fs's listing cache would outlive it.
+        "use_listings_cache": False,
+        "config_kwargs": {
+            "connect_timeout": options.connect_timeout_s,
+            "read_timeout": options.read_timeout_s,
+            "max_pool_connections": options.max_connections,
+            "retries": {"max_attempts": 1},  # our RetryPolicy is the only retry loop
+        },
+        **options.extra,
+    }
+    client_kwargs: dict[str, Any] = {}
+    if options.endpoint_url:
+        client_kwargs["endpoint_url"] = options.endpoint_url
+    if options.region:
+        client_kwargs["region_name"] = options.region
+    if client_kwargs:
+        kwargs["client_kwargs"] = client_kwargs
+    if options.access_key_id is not None:
+        kwargs["key"] = options.access_key_id.get_secret_value()
+    if options.secret_access_key is not None:
+        kwargs["secret"] = options.secret_access_key.get_secret_value()
+    if options.session_token is not None:
+        kwargs["token"] = options.session_token.get_secret_value()
+    if options.profile or options.credentials_file:
+        from aiobotocore.session import AioSession
+
+        session = AioSession(profile=options.profile)
+        if options.credentials_file:
+            session.set_config_variable("credentials_file", os.path.expanduser(options.credentials_file))
+        kwargs["session"] = session
+    fs = s3fs.S3FileSystem(**kwargs)
+    fs.retries = 1  # s3fs's own retry loop off, as above
+    return fs

@@ -1,0 +1,98 @@
+"""`pffs stats` and `pffs cache clear|gc`: looking after the disk cache."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from pffs.cli.context import open_cache
+from pffs.config import format_size
+
+
+def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
+    p = sub.add_parser(
+        "stats",
+        parents=[common],
+        help="show cache statistics (all processes that used the cache directory)",
+        description="Shows the disk cache's size and the hit, miss and eviction counters added up over "
+        "every process that read through this cache directory since it was made or cleared.",
+    )
+    p.add_argument("--json", action="store_true", help="print JSON for machines")
+    p.set_defaults(run=stats)
+
+    p = sub.add_parser("cache", parents=[common], help="clear or garbage-collect the disk cache")
+    cache_sub = p.add_subparsers(dest="cache_command", metavar="ACTION", required=True)
+    c = cache_sub.add_parser("clear", parents=[common], help="remove every cached block and reset the counters")
+    c.set_defaults(run=clear)
+    c = cache_sub.add_parser(
+        "gc", parents=[common], help="evict down to --cache-size; with --verify, also drop corrupt blocks"
+    )
+    c.add_argument("--verify", action="store_true", help="read every block and check its checksum")
+    c.add_argument("--json", action="store_true", help="print JSON for machines")
+    c.set_defaults(run=gc)
+
+
+def collect_stats(args: argparse.Namespace) -> dict[str, Any]:
+    settings, cache = open_cache(args)
+    totals = cache.machine_totals()
+    usage = cache.usage()
+    lookups = totals["memory_hits"] + totals["disk_hits"] + totals["misses"]
+    return {
+        "cache_dir": str(settings.cache_dir),
+        "disk_bytes": usage["disk_bytes"],
+        "disk_blocks": usage["disk_blocks"],
+        "disk_capacity_bytes": settings.cache_size,
+        "block_size": settings.block_size,
+        "hit_ratio": round((totals["memory_hits"] + totals["disk_hits"]) / lookups, 4) if lookups else None,
+        **totals,
+    }
+
+
+def stats(args: argparse.Namespace) -> int:
+    report = collect_stats(args)
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    used = report["disk_bytes"] / report["disk_capacity_bytes"] if report["disk_capacity_bytes"] else 0
+    ratio = report["hit_ratio"]
+    rows = [
+        ("cache directory", report["cache_dir"]),
+        ("disk used", f"{format_size(report['disk_bytes'])} of {format_size(report['disk_capacity_bytes'])} "
+         f"({used:.0%}), {report['disk_blocks']:,} blocks"),
+        ("hit ratio", "-" if ratio is None else f"{ratio:.1%}"),
+        ("memory hits", f"{report['memory_hits']:,}  ({format_size(report['bytes_from_memory'])})"),
+        ("disk hits", f"{report['disk_hits']:,}  ({format_size(report['bytes_from_disk'])})"),
+        ("misses (backend fetches)", f"{report['misses']:,}  ({format_size(report['bytes_fetched'])})"),
+        ("evictions memory / disk", f"{report['memory_evictions']:,} / {report['disk_evictions']:,}"),
+        ("corrupt blocks dropped", f"{report['corrupt_blocks']:,}"),
+        ("disk write failures", f"{report['disk_write_failures']:,}"),
+    ]
+    width = max(len(name) for name, _ in rows)
+    for name, value in rows:
+        print(f"{name:<{width}}  {value}")
+    return 0
+
+
+def clear(args: argparse.Namespace) -> int:
+    settings, cache = open_cache(args)
+    removed = cache.clear()
+    print(f"removed {removed:,} blocks from {settings.cache_dir}")
+    return 0
+
+
+def gc(args: argparse.Namespace) -> int:
+    settings, cache = open_cache(args)
+    if cache.disk is None:
+        print(f"no usable disk cache at {settings.cache_dir}")
+        return 1
+    result = cache.disk.gc(verify=args.verify)
+    cache.stats.flush()
+    if args.json:
+        print(json.dumps({**result, "disk_bytes": cache.disk.used_bytes()}))
+    else:
+        print(
+            f"evicted {result['evicted']:,} blocks, dropped {result['corrupt']:,} corrupt; "
+            f"{format_size(cache.disk.used_bytes())} of {format_size(settings.cache_size)} in use"
+        )
+    return 0

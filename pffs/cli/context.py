@@ -1,0 +1,51 @@
+"""From parsed command-line options to settings, a backend and a VFS."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from pydantic import ValidationError
+
+from pffs.backends.errors import BadOptionError
+from pffs.backends.options import BackendOptions
+from pffs.backends.urls import open_backend
+from pffs.cache import BlockCache
+from pffs.config import CacheSettings, settings_error
+from pffs.vfs import Vfs, shared_block_cache
+
+CACHE_OPTIONS = ("cache_dir", "cache_size", "memory_cache_size", "block_size", "metadata_ttl")
+BACKEND_OPTIONS = {
+    "endpoint_url": "endpoint_url",
+    "region": "region",
+    "profile": "profile",
+    "credentials_file": "credentials_file",
+    "anonymous": "anonymous",
+}
+
+
+def _given(args: argparse.Namespace, names: Any) -> dict[str, Any]:
+    return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
+
+
+def cache_settings(args: argparse.Namespace, **overrides: Any) -> CacheSettings:
+    values = {**_given(args, CACHE_OPTIONS), **overrides}
+    try:
+        return CacheSettings(**values)
+    except ValidationError as exc:
+        raise BadOptionError(settings_error(exc).replace("_", "-")) from None
+
+
+def backend_options(args: argparse.Namespace) -> BackendOptions:
+    given = _given(args, BACKEND_OPTIONS)
+    return BackendOptions(**{BACKEND_OPTIONS[k]: v for k, v in given.items()})
+
+
+def open_vfs(url: str, args: argparse.Namespace, **overrides: Any) -> tuple[Vfs, str]:
+    backend, path = open_backend(url, backend_options(args))
+    return Vfs(backend, cache_settings(args, **overrides)), path
+
+
+def open_cache(args: argparse.Namespace) -> tuple[CacheSettings, BlockCache]:
+    settings = cache_settings(args)
+    return settings, shared_block_cache(settings)

@@ -1,0 +1,90 @@
+"""The `pffs` command."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from pffs import __version__
+from pffs.cli import cache_commands, read_commands
+from pffs.cli.errors import EXIT_USAGE, run_reporting_errors
+
+DESCRIPTION = """\
+pffs: a data-caching filesystem for AI training. Reads S3, HDFS or any fsspec backend through a
+two-level (memory, disk) block cache shared by every process on this machine.
+
+URLs: s3://bucket/prefix, a local path or file:///path, memory://..., hdfs://host:port/path,
+webhdfs://host:port/path. S3 credentials come from the standard AWS environment variables
+(AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN), AWS_PROFILE / --profile, or a
+credentials file (AWS_SHARED_CREDENTIALS_FILE / --credentials-file); never from the command line.
+Sizes accept plain bytes or K, M, G, T suffixes (binary: 1K = 1024), e.g. 10G, 512M.
+"""
+
+EPILOG = """\
+examples:
+  pffs --endpoint-url http://127.0.0.1:8333 warmup s3://datasets/imagenet/train --workers 16
+  pffs cat s3://datasets/labels.csv | head
+  pffs stats --json
+  pffs cache gc --verify
+
+exit codes: 0 success, 1 the command failed (missing object, access denied, backend down),
+2 the command line is wrong (bad option, unknown URL scheme)."""
+
+
+def global_options() -> argparse.ArgumentParser:
+    """Options every subcommand takes, before or after its name (defaults are applied later)."""
+    p = argparse.ArgumentParser(add_help=False)
+    g = p.add_argument_group("cache and backend options")
+    s = argparse.SUPPRESS
+    g.add_argument("--cache-dir", default=s, help="disk cache directory, shared by all processes "
+                   "(default: $PFFS_CACHE_DIR or ~/.cache/pffs)")
+    g.add_argument("--cache-size", default=s, help="disk cache bound (default 10G)")
+    g.add_argument("--memory-cache-size", default=s, help="memory cache bound per process (default 512M)")
+    g.add_argument("--block-size", default=s, help="cache block size (default 4M)")
+    g.add_argument("--metadata-ttl", default=s, type=float, help="seconds a stat or listing is trusted (default 60)")
+    g.add_argument("--endpoint-url", default=s, help="S3 endpoint, e.g. http://127.0.0.1:8333 (default: AWS)")
+    g.add_argument("--region", default=s, help="S3 region")
+    g.add_argument("--profile", default=s, help="AWS profile for credentials")
+    g.add_argument("--credentials-file", default=s, help="AWS shared credentials file")
+    g.add_argument("--anonymous", action="store_true", default=s, help="no credentials (public buckets)")
+    g.add_argument("-v", "--verbose", action="count", default=s, help="more logging (-vv for debug)")
+    return p
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = global_options()
+    parser = argparse.ArgumentParser(
+        prog="pffs",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        parents=[common],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"pffs {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    read_commands.add_parsers(sub, common)
+    cache_commands.add_parsers(sub, common)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "command", None):
+        parser.print_help(sys.stderr)
+        return EXIT_USAGE
+    verbosity = getattr(args, "verbose", 0) or 0
+    logging.basicConfig(
+        level=logging.DEBUG if verbosity > 1 else logging.INFO if verbosity == 1 else logging.WARNING,
+        format="pffs: %(levelname)s: %(message)s",
+    )
+    if verbosity < 2:
+        for noisy in ("botocore", "aiobotocore", "s3fs", "fsspec", "urllib3"):
+            logging.getLogger(noisy).setLevel(logging.WARNING)
+    return run_reporting_errors(lambda: args.run(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

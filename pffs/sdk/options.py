@@ -1,0 +1,50 @@
+"""Turning fsspec-style keyword arguments into pffs settings and backend options.
+
+Users chain pffs in front of a backend the fsspec way — `fsspec.open("pffs::s3://b/k", s3={"key": ...})` —
+so the backend's options arrive in s3fs's vocabulary (key, secret, token, anon, client_kwargs); pffs's own
+names (access_key_id, endpoint_url, ...) work too.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import ValidationError
+
+from pffs.backends.errors import BadOptionError
+from pffs.backends.options import BackendOptions
+from pffs.config import CacheSettings, settings_error
+
+S3FS_NAMES = {"key": "access_key_id", "secret": "secret_access_key", "token": "session_token", "anon": "anonymous"}
+CACHE_FIELDS = set(CacheSettings.model_fields)
+BACKEND_FIELDS = set(BackendOptions.model_fields) - {"extra"}
+
+
+def backend_options(raw: dict[str, Any]) -> BackendOptions:
+    fields: dict[str, Any] = {}
+    extra: dict[str, Any] = {}
+    for name, value in raw.items():
+        name = S3FS_NAMES.get(name, name)
+        if name == "client_kwargs" and isinstance(value, dict):
+            client = dict(value)
+            if "endpoint_url" in client:
+                fields["endpoint_url"] = client.pop("endpoint_url")
+            if "region_name" in client:
+                fields["region"] = client.pop("region_name")
+            if client:
+                extra["client_kwargs"] = client
+        elif name in BACKEND_FIELDS:
+            fields[name] = value
+        else:
+            extra[name] = value
+    try:
+        return BackendOptions(**fields, extra=extra)
+    except ValidationError as exc:
+        raise BadOptionError(f"bad backend option: {settings_error(exc)}") from None
+
+
+def cache_settings(raw: dict[str, Any]) -> CacheSettings:
+    try:
+        return CacheSettings(**{k: v for k, v in raw.items() if v is not None})
+    except ValidationError as exc:
+        raise BadOptionError(f"bad cache option: {settings_error(exc)}") from None

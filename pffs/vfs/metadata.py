@@ -1,0 +1,50 @@
+"""Stat and listing results, trusted for a TTL. A listing fills the entries of every object it names, so
+reading a listed dataset costs no HEAD per file."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from pffs.backends.backend import ObjectInfo
+
+
+class MetadataCache:
+    def __init__(self, ttl_s: float) -> None:
+        self.ttl_s = ttl_s
+        self._lock = threading.Lock()
+        self._entries: dict[str, tuple[float, ObjectInfo]] = {}
+
+    def reset_after_fork(self) -> None:
+        self._lock = threading.Lock()
+
+    def get(self, path: str) -> ObjectInfo | None:
+        with self._lock:
+            hit = self._entries.get(path)
+        if hit is None:
+            return None
+        expires, info = hit
+        if time.monotonic() >= expires:
+            return None
+        return info
+
+    def put(self, info: ObjectInfo) -> None:
+        self.put_many([info])
+
+    def put_many(self, infos: list[ObjectInfo]) -> None:
+        if self.ttl_s <= 0:
+            return
+        expires = time.monotonic() + self.ttl_s
+        with self._lock:
+            for info in infos:
+                self._entries[info.path] = (expires, info)
+            if len(self._entries) > 1_000_000:
+                self._drop_expired()
+
+    def invalidate(self, path: str) -> None:
+        with self._lock:
+            self._entries.pop(path, None)
+
+    def _drop_expired(self) -> None:
+        now = time.monotonic()
+        self._entries = {p: e for p, e in self._entries.items() if e[0] > now}

@@ -1,0 +1,58 @@
+"""Read-ahead: which blocks to fetch before a reader asks for them.
+
+Per open object, a reader that keeps reading where it stopped doubles its window (up to the byte budget); a
+seek elsewhere drops it back to none. All readers of a process share one budget of bytes in flight.
+"""
+
+from __future__ import annotations
+
+import threading
+
+
+class ReadAheadBudget:
+    """Bytes of read-ahead in flight in this process, bounded."""
+
+    def __init__(self, limit_bytes: int) -> None:
+        self.limit_bytes = limit_bytes
+        self._in_flight = 0
+        self._lock = threading.Lock()
+
+    def reset_after_fork(self) -> None:
+        self._lock = threading.Lock()
+        self._in_flight = 0
+
+    def try_reserve(self, nbytes: int) -> bool:
+        with self._lock:
+            if self._in_flight + nbytes > self.limit_bytes:
+                return False
+            self._in_flight += nbytes
+            return True
+
+    def release(self, nbytes: int) -> None:
+        with self._lock:
+            self._in_flight -= nbytes
+
+
+class ReadAheadState:
+    """The sequential-access detector of one open object."""
+
+    def __init__(self, max_window_blocks: int) -> None:
+        self.max_window_blocks = max(0, max_window_blocks)
+        self.window_blocks = 0
+        self.next_offset = 0
+        self.scheduled_up_to = -1  # highest block index already handed to the prefetcher
+
+    def on_read(self, offset: int, end: int, last_block: int) -> range:
+        """Records a read of [offset, end) and returns the block indexes to prefetch now."""
+        if offset == self.next_offset and self.max_window_blocks:
+            self.window_blocks = min(self.max_window_blocks, max(1, self.window_blocks * 2))
+        else:
+            self.window_blocks = 0
+            self.scheduled_up_to = last_block
+        self.next_offset = end
+        first = max(last_block + 1, self.scheduled_up_to + 1)
+        stop = last_block + 1 + self.window_blocks
+        if first >= stop:
+            return range(0)
+        self.scheduled_up_to = stop - 1
+        return range(first, stop)

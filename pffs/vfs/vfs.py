@@ -1,0 +1,109 @@
+"""The VFS: one backend seen through the metadata cache and the block cache. The SDK, the CLI and the FUSE
+mount all read through this class."""
+
+from __future__ import annotations
+
+import os
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from pffs.backends.backend import Backend, ObjectInfo
+from pffs.backends.errors import ObjectChangedError
+from pffs.cache import BlockCache
+from pffs.config import CacheSettings
+from pffs.vfs.metadata import MetadataCache
+from pffs.vfs.reader import ObjectReader
+from pffs.vfs.readahead import ReadAheadState
+
+
+@dataclass
+class OpenObject:
+    """A version of an object pinned at open: every read returns bytes of that version or fails."""
+
+    info: ObjectInfo
+    reader: ObjectReader
+    state: ReadAheadState
+
+    def read(self, offset: int, length: int) -> bytes:
+        return self.reader.read(self.info, offset, length, self.state)
+
+
+class Vfs:
+    def __init__(self, backend: Backend, settings: CacheSettings, cache: BlockCache | None = None) -> None:
+        self.backend = backend
+        self.settings = settings
+        self.cache = cache or shared_block_cache(settings)
+        self.metadata = MetadataCache(settings.metadata_ttl)
+        self.reader = ObjectReader(
+            backend,
+            self.cache,
+            settings.block_size,
+            settings.readahead_size,
+            settings.fetch_workers,
+        )
+        ref = weakref.ref(self)
+        os.register_at_fork(after_in_child=lambda: (v := ref()) is not None and v.metadata.reset_after_fork())
+
+    def stat(self, path: str, *, fresh: bool = False) -> ObjectInfo:
+        info = None if fresh else self.metadata.get(path)
+        if info is None:
+            info = self.backend.stat(path)
+            self.metadata.put(info)
+        return info
+
+    def list(self, path: str) -> list[ObjectInfo]:
+        entries = self.backend.list(path)
+        self.metadata.put_many(entries)
+        return entries
+
+    def find(self, path: str) -> list[ObjectInfo]:
+        entries = self.backend.find(path)
+        self.metadata.put_many(entries)
+        return entries
+
+    def open(self, path: str) -> OpenObject:
+        info = self.stat(path)
+        if info.is_dir:
+            raise IsADirectoryError(21, f"{self.backend.url(path)} is a directory")
+        return OpenObject(info, self.reader, self.reader.new_state())
+
+    def read(self, path: str, offset: int = 0, length: int = -1) -> bytes:
+        """A range of the current version. If the object changes mid-read, starts over once on the new one."""
+        for attempt in range(2):
+            info = self.stat(path, fresh=attempt > 0)
+            if info.is_dir:
+                raise IsADirectoryError(21, f"{self.backend.url(path)} is a directory")
+            try:
+                return self.reader.read(info, offset, length, self.reader.new_state())
+            except ObjectChangedError:
+                self.metadata.invalidate(path)
+                if attempt:
+                    raise
+        raise AssertionError("unreachable")
+
+    def walk_files(self, path: str) -> Iterator[ObjectInfo]:
+        """The object at path, or every object under it."""
+        info = self.stat(path)
+        if info.is_dir:
+            yield from self.find(path)
+        else:
+            yield info
+
+    def invalidate(self, path: str) -> None:
+        self.metadata.invalidate(path)
+        self.backend.invalidate(path)
+
+
+_shared_caches: dict[tuple[object, ...], BlockCache] = {}
+
+
+def shared_block_cache(settings: CacheSettings) -> BlockCache:
+    """One BlockCache (and so one memory tier) per cache directory per process, whatever reads through it."""
+    key = (os.getpid(), str(settings.cache_dir), settings.cache_size, settings.memory_cache_size)
+    cache = _shared_caches.get(key)
+    if cache is None:
+        cache = _shared_caches[key] = BlockCache(
+            settings.cache_dir, settings.cache_size, settings.memory_cache_size
+        )
+    return cache
