@@ -8,14 +8,13 @@ nothing of objects or backends: callers build keys that change when the object c
 from __future__ import annotations
 
 import logging
-import os
 import sqlite3
-import weakref
 from collections.abc import Callable
 from pathlib import Path
 
 from .disk_tier import DiskTier
 from .file_lock import StripedFileLocks
+from .fork import after_fork_in_child
 from .memory_tier import MemoryTier
 from .single_flight import SingleFlight
 from .stats import CacheStats, read_totals, reset_totals
@@ -54,8 +53,7 @@ class BlockCache:
             self.stats = CacheStats(None)
         self.memory = MemoryTier(memory_capacity_bytes, self.stats)
         self._flight: SingleFlight[Block] = SingleFlight()
-        ref = weakref.ref(self)
-        os.register_at_fork(after_in_child=lambda: (c := ref()) is not None and c._reset_after_fork())
+        after_fork_in_child(self._reset_after_fork)
 
     def _reset_after_fork(self) -> None:
         self.memory.reset_after_fork()

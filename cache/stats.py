@@ -7,14 +7,14 @@ reports the whole machine's cache, not one process's.
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
 import sqlite3
 import threading
 import time
-import weakref
 from pathlib import Path
+
+from .fork import at_exit
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +42,7 @@ class CacheStats:
         self._unflushed = dict.fromkeys(COUNTERS, 0)
         self._next_flush = time.monotonic() + FLUSH_EVERY_S
         if self._store_path is not None:
-            ref = weakref.ref(self)
-            atexit.register(lambda: (s := ref()) is not None and s.flush())
+            at_exit(self.flush)
 
     def reset_after_fork(self) -> None:
         # What the parent counted is the parent's to flush.
@@ -110,7 +109,9 @@ class _connect:
     def __enter__(self) -> sqlite3.Connection:
         os.makedirs(self.path.parent, exist_ok=True)
         self.con = sqlite3.connect(self.path, timeout=10, isolation_level=None)
-        self.con.execute("CREATE TABLE IF NOT EXISTS counters (name TEXT PRIMARY KEY, value INTEGER NOT NULL)")
+        self.con.execute(
+            "CREATE TABLE IF NOT EXISTS counters (name TEXT PRIMARY KEY, value INTEGER NOT NULL)"
+        )
         return self.con
 
     def __exit__(self, *exc: object) -> None:

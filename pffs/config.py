@@ -25,7 +25,9 @@ def parse_size(value: str | int | float) -> int:
         return int(value)
     match = _SIZE.match(str(value))
     if not match:
-        raise BadOptionError(f"not a size: {value!r} (use a byte count or a number with K, M, G or T, e.g. 512M)")
+        raise BadOptionError(
+            f"not a size: {value!r} (use a byte count or a number with K, M, G or T, e.g. 512M)"
+        )
     number, unit = match.groups()
     return int(float(number) * _UNITS[unit.upper()])
 

@@ -19,7 +19,6 @@ from fsspec.asyn import sync
 
 from pffs.backends.errors import ObjectChangedError
 from pffs.backends.identity import identity_token
-from pffs.backends.options import BackendOptions
 from pffs.backends.retry import RetryPolicy
 
 
@@ -93,7 +92,7 @@ class Backend:
     def stat(self, path: str) -> ObjectInfo:
         return self._to_info(self.retry.call(lambda: self.fs.info(path), self.url(path)))
 
-    def list(self, path: str) -> list[ObjectInfo]:
+    def list_dir(self, path: str) -> list[ObjectInfo]:
         entries = self.retry.call(lambda: self.fs.ls(path, detail=True), self.url(path))
         return [self._to_info(e) for e in entries]
 

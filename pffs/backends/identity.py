@@ -7,7 +7,15 @@ import datetime as dt
 from typing import Any
 
 # Where fsspec implementations put a modification time, most specific first.
-MTIME_FIELDS = ("mtime", "LastModified", "last_modified", "modificationTime", "modified", "updated", "created")
+MTIME_FIELDS = (
+    "mtime",
+    "LastModified",
+    "last_modified",
+    "modificationTime",
+    "modified",
+    "updated",
+    "created",
+)
 
 
 def identity_token(protocol: str, info: dict[str, Any]) -> str:

@@ -104,7 +104,8 @@ def _http_status(exc: BaseException) -> tuple[int | None, str | None]:
 
 
 def describe(exc: BaseException) -> str:
-    text = str(exc).strip() or type(exc).__name__
+    text = (exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)).strip()
+    text = text or type(exc).__name__
     return text.splitlines()[0][:300]
 
 
@@ -119,8 +120,8 @@ def permanent_error(exc: BaseException, url: str) -> BaseException:
     if isinstance(exc, PermissionError):
         return PermissionError(
             errno.EACCES,
-            f"{url}: access denied ({describe(exc)}); check the credentials "
-            "(AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE or the credentials file) and the bucket policy",
+            f"{url}: access denied ({describe(exc)}); check the credentials (AWS_ACCESS_KEY_ID/"
+            "AWS_SECRET_ACCESS_KEY, AWS_PROFILE or the credentials file) and the bucket policy",
         )
     if isinstance(exc, OSError):
         return type(exc)(exc.errno, f"{url}: {describe(exc)}")

@@ -1,11 +1,11 @@
 """From a URL and options to a Backend and the path inside it.
 
-    s3://bucket/prefix  s3a://...       S3 (or any S3-compatible server, with endpoint_url)
-    /data/x  file:///data/x             the local filesystem
-    memory://x                          fsspec's in-memory filesystem (tests, demos)
-    hdfs://namenode:8020/path           HDFS through pyarrow (needs libhdfs and a JVM)
-    webhdfs://namenode:9870/path        HDFS over HTTP
-    gs://, az://, ...                   any other installed fsspec backend, with options in `extra`
+s3://bucket/prefix  s3a://...       S3 (or any S3-compatible server, with endpoint_url)
+/data/x  file:///data/x             the local filesystem
+memory://x                          fsspec's in-memory filesystem (tests, demos)
+hdfs://namenode:8020/path           HDFS through pyarrow (needs libhdfs and a JVM)
+webhdfs://namenode:9870/path        HDFS over HTTP
+gs://, az://, ...                   any other installed fsspec backend, with options in `extra`
 """
 
 from __future__ import annotations

@@ -23,7 +23,9 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
 
     p = sub.add_parser("cache", parents=[common], help="clear or garbage-collect the disk cache")
     cache_sub = p.add_subparsers(dest="cache_command", metavar="ACTION", required=True)
-    c = cache_sub.add_parser("clear", parents=[common], help="remove every cached block and reset the counters")
+    c = cache_sub.add_parser(
+        "clear", parents=[common], help="remove every cached block and reset the counters"
+    )
     c.set_defaults(run=clear)
     c = cache_sub.add_parser(
         "gc", parents=[common], help="evict down to --cache-size; with --verify, also drop corrupt blocks"
@@ -58,8 +60,11 @@ def stats(args: argparse.Namespace) -> int:
     ratio = report["hit_ratio"]
     rows = [
         ("cache directory", report["cache_dir"]),
-        ("disk used", f"{format_size(report['disk_bytes'])} of {format_size(report['disk_capacity_bytes'])} "
-         f"({used:.0%}), {report['disk_blocks']:,} blocks"),
+        (
+            "disk used",
+            f"{format_size(report['disk_bytes'])} of {format_size(report['disk_capacity_bytes'])} "
+            f"({used:.0%}), {report['disk_blocks']:,} blocks",
+        ),
         ("hit ratio", "-" if ratio is None else f"{ratio:.1%}"),
         ("memory hits", f"{report['memory_hits']:,}  ({format_size(report['bytes_from_memory'])})"),
         ("disk hits", f"{report['disk_hits']:,}  ({format_size(report['bytes_from_disk'])})"),

@@ -50,5 +50,8 @@ def run_reporting_errors(command: Callable[[], int]) -> int:
         return 130
     except Exception as exc:  # a bug: say so once, with the traceback only under -v
         log.debug("unexpected error", exc_info=True)
-        print(f"pffs: internal error: {type(exc).__name__}: {exc} (run with -v for the traceback)", file=sys.stderr)
+        print(
+            f"pffs: internal error: {type(exc).__name__}: {exc} (run with -v for the traceback)",
+            file=sys.stderr,
+        )
         return EXIT_FAILURE

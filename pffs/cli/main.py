@@ -38,12 +38,17 @@ def global_options() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(add_help=False)
     g = p.add_argument_group("cache and backend options")
     s = argparse.SUPPRESS
-    g.add_argument("--cache-dir", default=s, help="disk cache directory, shared by all processes "
-                   "(default: $PFFS_CACHE_DIR or ~/.cache/pffs)")
+    g.add_argument(
+        "--cache-dir",
+        default=s,
+        help="disk cache directory, shared by all processes (default: $PFFS_CACHE_DIR or ~/.cache/pffs)",
+    )
     g.add_argument("--cache-size", default=s, help="disk cache bound (default 10G)")
     g.add_argument("--memory-cache-size", default=s, help="memory cache bound per process (default 512M)")
     g.add_argument("--block-size", default=s, help="cache block size (default 4M)")
-    g.add_argument("--metadata-ttl", default=s, type=float, help="seconds a stat or listing is trusted (default 60)")
+    g.add_argument(
+        "--metadata-ttl", default=s, type=float, help="seconds a stat or listing is trusted (default 60)"
+    )
     g.add_argument("--endpoint-url", default=s, help="S3 endpoint, e.g. http://127.0.0.1:8333 (default: AWS)")
     g.add_argument("--region", default=s, help="S3 region")
     g.add_argument("--profile", default=s, help="AWS profile for credentials")

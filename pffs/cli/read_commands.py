@@ -79,7 +79,9 @@ def warmup(args: argparse.Namespace) -> int:
         blocks_left = [max(1, vfs.reader.block_count(info))]  # shared countdown: the file is done at 0
         for index in range(max(1, vfs.reader.block_count(info))):
             tasks.put((info, index, blocks_left))
-    bar = tqdm(total=progress.bytes_total, unit="B", unit_scale=True, unit_divisor=1024, desc="warmup", disable=None)
+    bar = tqdm(
+        total=progress.bytes_total, unit="B", unit_scale=True, unit_divisor=1024, desc="warmup", disable=None
+    )
     bar.set_postfix_str(f"files 0/{progress.files_total}")
 
     def worker() -> None:

@@ -43,7 +43,9 @@ class PffsFileSystem(ChainedFileSystem):
             backend, _ = open_backend(f"{target_protocol}://", backend_opts)
             self.root = ""
         else:
-            raise ValueError("pffs needs a target: target='s3://bucket/prefix' or a chained URL 'pffs::s3://...'")
+            raise ValueError(
+                "pffs needs a target: target='s3://bucket/prefix' or a chained URL 'pffs::s3://...'"
+            )
         self.vfs = Vfs(backend, cache_settings(cache_opts))
 
     # -- paths ---------------------------------------------------------------------------------------------
@@ -88,11 +90,16 @@ class PffsFileSystem(ChainedFileSystem):
         return self._entry(self.vfs.stat(self._full(path)))
 
     def ls(self, path: str, detail: bool = True, **kwargs: Any) -> list[Any]:
-        entries = [self._entry(e) for e in self.vfs.list(self._full(path))]
+        entries = [self._entry(e) for e in self.vfs.list_dir(self._full(path))]
         return entries if detail else [e["name"] for e in entries]
 
     def find(
-        self, path: str, maxdepth: int | None = None, withdirs: bool = False, detail: bool = False, **kwargs: Any
+        self,
+        path: str,
+        maxdepth: int | None = None,
+        withdirs: bool = False,
+        detail: bool = False,
+        **kwargs: Any,
     ) -> Any:
         if maxdepth is not None or withdirs:
             return super().find(path, maxdepth=maxdepth, withdirs=withdirs, detail=detail, **kwargs)
@@ -155,7 +162,7 @@ class PffsFileSystem(ChainedFileSystem):
 
     # -- pffs extras --------------------------------------------------------------------------------------
     def cached_fraction(self, path: str) -> float:
-        """Share of the object's blocks in the disk cache (0.0 – 1.0)."""
+        """Share of the object's blocks in the disk cache (0.0 to 1.0)."""
         return self.vfs.reader.cached_fraction(self.vfs.stat(self._full(path)))
 
     def cache_stats(self) -> dict[str, int]:
@@ -167,7 +174,9 @@ class PffsReadFile(AbstractBufferedFile):
 
     def __init__(self, fs: PffsFileSystem, path: str, handle: OpenObject) -> None:
         self.handle = handle
-        super().__init__(fs, path, mode="rb", block_size=handle.reader.block_size, cache_type="none", size=handle.info.size)
+        super().__init__(
+            fs, path, mode="rb", block_size=handle.reader.block_size, cache_type="none", size=handle.info.size
+        )
 
     def _fetch_range(self, start: int, end: int) -> bytes:
         return self.handle.read(start, end - start)

@@ -9,7 +9,7 @@ import fsspec
 from pffs.backends.urls import split_url
 
 
-def open(url: str, mode: str = "rb", **options: Any) -> IO[Any]:  # noqa: A001 - mirrors builtins.open
+def open(url: str, mode: str = "rb", **options: Any) -> IO[Any]:
     """Opens `url` (s3://..., a path, memory://..., hdfs://...) through pffs.
 
     Options are pffs cache settings (cache_dir, cache_size, block_size, ...) and backend options
@@ -18,5 +18,3 @@ def open(url: str, mode: str = "rb", **options: Any) -> IO[Any]:  # noqa: A001 -
     protocol, path = split_url(url)
     fs = fsspec.filesystem("pffs", target_protocol=protocol, **options)
     return fs.open(path if protocol == "file" else path.strip("/"), mode)
-
-

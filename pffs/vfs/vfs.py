@@ -4,17 +4,17 @@ mount all read through this class."""
 from __future__ import annotations
 
 import os
-import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 from pffs.backends.backend import Backend, ObjectInfo
 from pffs.backends.errors import ObjectChangedError
 from pffs.cache import BlockCache
+from pffs.cache.fork import after_fork_in_child
 from pffs.config import CacheSettings
 from pffs.vfs.metadata import MetadataCache
-from pffs.vfs.reader import ObjectReader
 from pffs.vfs.readahead import ReadAheadState
+from pffs.vfs.reader import ObjectReader
 
 
 @dataclass
@@ -42,8 +42,7 @@ class Vfs:
             settings.readahead_size,
             settings.fetch_workers,
         )
-        ref = weakref.ref(self)
-        os.register_at_fork(after_in_child=lambda: (v := ref()) is not None and v.metadata.reset_after_fork())
+        after_fork_in_child(self.metadata.reset_after_fork)
 
     def stat(self, path: str, *, fresh: bool = False) -> ObjectInfo:
         info = None if fresh else self.metadata.get(path)
@@ -52,8 +51,8 @@ class Vfs:
             self.metadata.put(info)
         return info
 
-    def list(self, path: str) -> list[ObjectInfo]:
-        entries = self.backend.list(path)
+    def list_dir(self, path: str) -> list[ObjectInfo]:
+        entries = self.backend.list_dir(path)
         self.metadata.put_many(entries)
         return entries
 

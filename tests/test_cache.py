@@ -1,0 +1,219 @@
+"""The block cache on its own: tiers, bounds, checksums, single-flight, cross-process sharing, bad disks."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from pffs.cache import BlockCache
+from pffs.cache.block_format import CorruptBlockError, pack_block, unpack_block
+from pffs.cache.memory_tier import MemoryTier
+from pffs.cache.single_flight import SingleFlight
+from pffs.cache.stats import CacheStats, read_totals
+
+KIB = 1024
+
+
+def block_files(cache_dir: Path) -> list[Path]:
+    return sorted((cache_dir / "blocks").rglob("*.val"))
+
+
+def test_memory_tier_is_bounded_and_evicts_least_recently_used() -> None:
+    tier = MemoryTier(capacity_bytes=3 * KIB, stats=CacheStats())
+    for name in "abc":
+        tier.put(name, bytes(KIB))
+    assert tier.get("a") is not None  # a is now the most recently used
+    tier.put("d", bytes(KIB))
+    assert tier.get("b") is None
+    assert {k for k in "acd" if tier.get(k) is not None} == {"a", "c", "d"}
+    assert tier.used_bytes == 3 * KIB
+    assert tier.stats.snapshot()["memory_evictions"] == 1
+
+
+def test_block_format_detects_truncation_and_bit_flips() -> None:
+    stored = pack_block(b"x" * 1000)
+    assert bytes(unpack_block(stored)) == b"x" * 1000
+    with pytest.raises(CorruptBlockError, match="truncated"):
+        unpack_block(stored[:-1])
+    flipped = bytearray(stored)
+    flipped[500] ^= 1
+    with pytest.raises(CorruptBlockError, match="checksum"):
+        unpack_block(bytes(flipped))
+    with pytest.raises(CorruptBlockError):
+        unpack_block(b"tiny")
+
+
+def test_single_flight_runs_one_fetch_for_many_waiters() -> None:
+    flight: SingleFlight[bytes] = SingleFlight()
+    calls = []
+    started = threading.Event()
+
+    def slow_fetch() -> bytes:
+        calls.append(1)
+        started.set()
+        time.sleep(0.2)
+        return b"data"
+
+    results: list[bytes] = []
+    threads = [
+        threading.Thread(target=lambda: results.append(flight.run("k", slow_fetch))) for _ in range(16)
+    ]
+    threads[0].start()
+    started.wait(5)
+    for t in threads[1:]:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert calls == [1]
+    assert results == [b"data"] * 16
+
+
+def test_single_flight_passes_errors_to_every_waiter_and_forgets_them() -> None:
+    flight: SingleFlight[bytes] = SingleFlight()
+
+    def failing() -> bytes:
+        raise OSError("backend down")
+
+    with pytest.raises(OSError, match="backend down"):
+        flight.run("k", failing)
+    assert flight.run("k", lambda: b"ok") == b"ok"  # a failure is not cached
+
+
+def test_blocks_survive_a_new_cache_object_and_count_tier_hits(tmp_path: Path) -> None:
+    cache = BlockCache(tmp_path, disk_capacity_bytes=10 << 20, memory_capacity_bytes=1 << 20)
+    assert cache.get("k", lambda: b"v" * 5000) == b"v" * 5000
+    assert cache.get("k", lambda: pytest.fail("memory hit expected")) == b"v" * 5000
+    cache.close()
+
+    reopened = BlockCache(tmp_path, disk_capacity_bytes=10 << 20, memory_capacity_bytes=1 << 20)
+    assert bytes(reopened.get("k", lambda: pytest.fail("disk hit expected"))) == b"v" * 5000
+    counts = reopened.stats.snapshot()
+    assert (counts["disk_hits"], counts["misses"]) == (1, 0)
+    totals = reopened.machine_totals()
+    assert (totals["misses"], totals["memory_hits"], totals["disk_hits"]) == (1, 1, 1)
+
+
+def test_corrupt_and_truncated_block_files_are_dropped_and_fetched_again(tmp_path: Path) -> None:
+    cache = BlockCache(tmp_path, disk_capacity_bytes=10 << 20, memory_capacity_bytes=0)
+    good = os.urandom(100 * KIB)
+    cache.get("a", lambda: good)
+    cache.get("b", lambda: good)
+    files = block_files(tmp_path)
+    assert len(files) == 2
+    data = bytearray(files[0].read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    files[0].write_bytes(bytes(data))
+    with files[1].open("r+b") as f:
+        f.truncate(1000)
+
+    refetched = []
+    for key in "ab":
+        assert bytes(cache.get(key, lambda: refetched.append(1) or good)) == good
+    assert len(refetched) == 2
+    assert cache.stats.snapshot()["corrupt_blocks"] == 2
+    # and now they are good again on disk
+    assert bytes(cache.get("a", lambda: pytest.fail("should be cached again"))) == good
+
+
+def test_disk_tier_stays_within_its_byte_bound(tmp_path: Path) -> None:
+    capacity = 4 << 20
+    cache = BlockCache(tmp_path, disk_capacity_bytes=capacity, memory_capacity_bytes=0)
+    for i in range(60):  # 15 MiB through a 4 MiB cache
+        cache.get(f"k{i}", lambda: os.urandom(256 * KIB))
+        assert cache.disk is not None
+        assert cache.disk.used_bytes() <= capacity
+    assert cache.stats.snapshot()["disk_evictions"] > 40
+    # least recently used went first: the newest block is still there
+    assert cache.disk.contains("k59") and not cache.disk.contains("k0")
+
+
+def test_memory_tier_bound_holds_under_a_larger_workload(tmp_path: Path) -> None:
+    cache = BlockCache(tmp_path, disk_capacity_bytes=64 << 20, memory_capacity_bytes=1 << 20)
+    for i in range(40):
+        cache.get(f"k{i}", lambda: os.urandom(100 * KIB))
+        assert cache.memory.used_bytes <= 1 << 20
+
+
+def test_unusable_cache_directory_falls_back_to_memory(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("I am a file")
+    with caplog.at_level(logging.WARNING):
+        cache = BlockCache(not_a_dir, disk_capacity_bytes=1 << 20, memory_capacity_bytes=1 << 20)
+    assert cache.disk is None
+    assert cache.get("k", lambda: b"data") == b"data"
+    assert "not usable" in caplog.text
+
+
+@pytest.fixture
+def tiny_tmpfs(tmp_path: Path) -> object:
+    """A 1 MiB tmpfs: a cache disk that fills up."""
+    mnt = tmp_path / "tiny"
+    mnt.mkdir()
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True)
+    if result.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {result.stderr.decode().strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_full_cache_disk_still_serves_reads_and_warns_once(
+    tiny_tmpfs: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    cache = BlockCache(tiny_tmpfs, disk_capacity_bytes=100 << 20, memory_capacity_bytes=0)
+    payloads = {f"k{i}": os.urandom(300 * KIB) for i in range(8)}
+    with caplog.at_level(logging.WARNING):
+        for key, payload in payloads.items():
+            assert bytes(cache.get(key, lambda p=payload: p)) == payload
+    warnings = [r for r in caplog.records if "cannot write to the disk cache" in r.getMessage()]
+    assert len(warnings) == 1
+    assert cache.stats.snapshot()["disk_write_failures"] >= 1
+    for key, payload in payloads.items():  # what did get cached is still correct
+        assert bytes(cache.get(key, lambda p=payload: p)) == payload
+
+
+def _fetch_in_child(
+    cache_dir: str, log_path: str, keys: list[str], barrier: multiprocessing.synchronize.Barrier
+) -> None:
+    cache = BlockCache(cache_dir, disk_capacity_bytes=64 << 20, memory_capacity_bytes=0)
+
+    def fetch(key: str) -> bytes:
+        with open(log_path, "a") as log:
+            log.write(f"{os.getpid()} {key}\n")
+        time.sleep(0.05)  # a slow backend, so that the two processes really overlap
+        return key.encode() * 1000
+
+    barrier.wait()
+    for key in keys:
+        assert bytes(cache.get(key, lambda k=key: fetch(k))) == key.encode() * 1000
+    cache.close()
+
+
+def test_two_processes_fetch_each_block_once(tmp_path: Path) -> None:
+    ctx = multiprocessing.get_context("spawn")
+    barrier = ctx.Barrier(2)
+    log_path = tmp_path / "fetches.log"
+    keys = [f"block-{i}" for i in range(12)]
+    procs = [
+        ctx.Process(target=_fetch_in_child, args=(str(tmp_path / "c"), str(log_path), keys, barrier))
+        for _ in range(2)
+    ]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    assert [p.exitcode for p in procs] == [0, 0]
+    fetched = [line.split()[1] for line in log_path.read_text().splitlines()]
+    assert sorted(fetched) == sorted(keys)  # each key fetched exactly once, by one of the two
+    totals = read_totals(tmp_path / "c" / "stats.sqlite")
+    assert totals["misses"] == len(keys)
+    assert totals["disk_hits"] == len(keys)

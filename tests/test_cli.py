@@ -1,0 +1,166 @@
+"""The `pffs` command, run as a user runs it: a subprocess, with credentials in the environment."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers import pattern, sha256
+
+from pffs.testing.s3_server import SeaweedS3, free_ports
+
+PFFS = [sys.executable, "-m", "pffs.cli.main"]
+
+
+def run(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess[bytes]:
+    return subprocess.run(
+        [*PFFS, *args], capture_output=True, env=env, timeout=timeout, stdin=subprocess.DEVNULL
+    )
+
+
+def test_help_explains_the_commands() -> None:
+    result = run("--help")
+    assert result.returncode == 0
+    out = result.stdout.decode()
+    for word in ("cat", "warmup", "stats", "cache", "AWS_ACCESS_KEY_ID", "exit codes"):
+        assert word in out
+    assert "--workers" in run("warmup", "--help").stdout.decode()
+
+
+def test_cat_warmup_and_stats_against_s3(
+    raw_s3: Any, bucket: str, s3_server: SeaweedS3, s3_env: dict[str, str], tmp_path: Path
+) -> None:
+    files = {f"ds/f{i}": pattern(100_000 * (i + 1), seed=i) for i in range(5)}
+    for name, data in files.items():
+        raw_s3.pipe(f"{bucket}/{name}", data)
+    common = [
+        "--endpoint-url",
+        s3_server.endpoint_url,
+        "--cache-dir",
+        str(tmp_path / "c"),
+        "--block-size",
+        "128K",
+    ]
+
+    result = run("warmup", f"s3://{bucket}/ds", "--workers", "4", "--json", *common, env=s3_env)
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(result.stdout)
+    total = sum(len(d) for d in files.values())
+    assert (summary["files"], summary["bytes"], summary["bytes_fetched"]) == (5, total, total)
+
+    again = json.loads(run("warmup", f"s3://{bucket}/ds", "--json", *common, env=s3_env).stdout)
+    assert (again["bytes_fetched"], again["bytes_already_cached"]) == (0, total)
+
+    result = run("cat", f"s3://{bucket}/ds/f3", *common, env=s3_env)
+    assert result.returncode == 0 and sha256(result.stdout) == sha256(files["ds/f3"])
+
+    stats = json.loads(run("stats", "--json", *common).stdout)
+    blocks = sum(-(-len(d) // (128 * 1024)) for d in files.values())
+    assert stats["misses"] == blocks and stats["bytes_fetched"] == total
+    assert stats["disk_blocks"] == blocks
+    assert stats["disk_hits"] >= -(-len(files["ds/f3"]) // (128 * 1024))
+    table = run("stats", *common).stdout.decode()
+    assert "hit ratio" in table and "misses (backend fetches)" in table
+
+    assert run("cache", "gc", "--verify", *common).returncode == 0
+    assert "removed" in run("cache", "clear", *common).stdout.decode()
+    assert json.loads(run("stats", "--json", *common).stdout)["disk_blocks"] == 0
+
+
+def test_bad_credentials_one_line_no_secret(
+    raw_s3: Any, bucket: str, s3_server: SeaweedS3, tmp_path: Path
+) -> None:
+    raw_s3.pipe(f"{bucket}/k", b"data")
+    env = {**os.environ, "AWS_ACCESS_KEY_ID": "nobody", "AWS_SECRET_ACCESS_KEY": "super-secret-value-42"}
+    result = run(
+        "cat",
+        f"s3://{bucket}/k",
+        "--endpoint-url",
+        s3_server.endpoint_url,
+        "--cache-dir",
+        str(tmp_path),
+        env=env,
+    )
+    err = result.stderr.decode()
+    assert result.returncode == 1
+    assert err.count("\n") == 1 and err.startswith("pffs: error: ") and "access denied" in err
+    assert "super-secret-value-42" not in err + result.stdout.decode()
+
+
+def test_credentials_file_and_profile(raw_s3: Any, bucket: str, s3_server: SeaweedS3, tmp_path: Path) -> None:
+    raw_s3.pipe(f"{bucket}/k", b"from a profile")
+    creds = tmp_path / "credentials"
+    creds.write_text(
+        f"[training]\naws_access_key_id = {s3_server.access_key}\n"
+        f"aws_secret_access_key = {s3_server.secret_key}\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    result = run(
+        "cat",
+        f"s3://{bucket}/k",
+        "--endpoint-url",
+        s3_server.endpoint_url,
+        "--credentials-file",
+        str(creds),
+        "--profile",
+        "training",
+        "--region",
+        "us-east-1",
+        "--cache-dir",
+        str(tmp_path / "c"),
+        env=env,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == b"from a profile"
+
+
+def test_unreachable_endpoint_fails_fast_with_a_clear_line(tmp_path: Path) -> None:
+    port = free_ports(1)[0]
+    env = {**os.environ, "AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s"}
+    started = time.monotonic()
+    result = run(
+        "cat",
+        "s3://bkt/k",
+        "--endpoint-url",
+        f"http://127.0.0.1:{port}",
+        "--cache-dir",
+        str(tmp_path),
+        env=env,
+    )
+    assert result.returncode == 1
+    err = result.stderr.decode()
+    assert "backend unavailable" in err and "is the endpoint right" in err and err.count("\n") == 1
+    assert time.monotonic() - started < 60
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--cache-size", "12Q", "stats"], "cache-size: not a size"),
+        (["cat", "nosuch://x"], "unknown URL scheme 'nosuch'"),
+        (["--block-size", "1K", "stats"], "block-size"),
+        (["warmup", "/tmp", "--workers", "many"], "invalid int value"),
+        (["frobnicate"], "invalid choice"),
+    ],
+)
+def test_bad_command_lines_exit_2_with_one_clear_message(
+    args: list[str], message: str, tmp_path: Path
+) -> None:
+    result = run(*args, "--cache-dir", str(tmp_path)) if args[0] != "frobnicate" else run(*args)
+    assert result.returncode == 2
+    assert message in result.stderr.decode()
+    assert "Traceback" not in result.stderr.decode()
+
+
+def test_missing_local_file(tmp_path: Path) -> None:
+    result = run("cat", str(tmp_path / "nope"), "--cache-dir", str(tmp_path / "c"))
+    assert result.returncode == 1
+    assert result.stderr.decode().strip() == f"pffs: error: {tmp_path / 'nope'}: no such file or object"
