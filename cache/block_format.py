@@ -17,9 +17,12 @@ class CorruptBlockError(ValueError):
     pass
 
 
+def block_header(payload: bytes | memoryview) -> bytes:
+    return HEADER.pack(MAGIC, len(payload), xxhash.xxh3_64_intdigest(payload))
+
+
 def pack_block(payload: bytes | memoryview) -> bytes:
-    header = HEADER.pack(MAGIC, len(payload), xxhash.xxh3_64_intdigest(payload))
-    return header + payload
+    return block_header(payload) + payload
 
 
 def unpack_block(stored: bytes) -> memoryview:

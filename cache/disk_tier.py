@@ -13,9 +13,8 @@ import sqlite3
 import time
 from pathlib import Path
 
-import diskcache
-
-from .block_format import CorruptBlockError, is_intact, pack_block, unpack_block
+from .block_disk import BlockDisk, BlockPayload, BlockStore
+from .block_format import CorruptBlockError, is_intact, unpack_block
 from .stats import CacheStats
 
 log = logging.getLogger(__name__)
@@ -31,8 +30,9 @@ class DiskTier:
         self.stats = stats
         self._writes_disabled_until = 0.0
         self._warned = False
-        self._cache = diskcache.Cache(
+        self._cache = BlockStore(
             str(self.directory / "blocks"),
+            disk=BlockDisk,
             size_limit=capacity_bytes,
             eviction_policy="least-recently-used",
             cull_limit=0,  # we cull ourselves, after each write, to count evictions
@@ -42,7 +42,7 @@ class DiskTier:
 
     def get(self, key: str) -> memoryview | None:
         try:
-            stored = self._cache.get(key, default=None, retry=True)
+            stored = self._cache.get_block(key)
         except (OSError, sqlite3.Error) as exc:
             log.warning("disk cache read failed for block %s: %s; reading from the backend", key, exc)
             return None
@@ -67,7 +67,7 @@ class DiskTier:
         if time.monotonic() < self._writes_disabled_until:
             return False
         try:
-            self._cache.set(key, pack_block(payload), retry=True)
+            self._cache.set(key, BlockPayload(payload), retry=True)
             if self._cache.volume() > self.capacity_bytes:
                 self.stats.add("disk_evictions", self._cache.cull(retry=True))
         except (OSError, sqlite3.Error) as exc:
@@ -113,4 +113,7 @@ class DiskTier:
         return {"evicted": evicted, "corrupt": corrupt}
 
     def close(self) -> None:
-        self._cache.close()
+        try:
+            self._cache.flush_touches()
+        finally:
+            self._cache.close()

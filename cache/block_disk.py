@@ -1,0 +1,94 @@
+"""diskcache's Disk, taught to write a block file in place: header and payload go to the file with two
+write calls, without first joining them into one buffer and copying that through a BytesIO (which halved
+write throughput for 4 MiB blocks). Everything else — names, the SQLite row, reads — is diskcache's own."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from typing import Any
+
+import diskcache
+from diskcache.core import MODE_BINARY, UNKNOWN
+
+from .block_format import block_header
+
+
+class BlockPayload:
+    """What DiskTier hands to diskcache.set: the block's bytes, to be stored with a checksummed header."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: bytes | memoryview) -> None:
+        self.data = data
+
+
+class BlockDisk(diskcache.Disk):
+    def store(self, value: Any, read: bool, key: Any = UNKNOWN) -> tuple[int, int, str | None, Any]:
+        if not isinstance(value, BlockPayload):
+            return super().store(value, read, key=key)
+        filename, full_path = self.filename(key, value)
+        os.makedirs(os.path.dirname(full_path), exist_ok=True)
+        header = block_header(value.data)
+        fd = os.open(full_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        try:
+            for part in (memoryview(header), memoryview(value.data).cast("B")):
+                while part:
+                    part = part[os.write(fd, part) :]
+        except BaseException:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(full_path)  # no orphan half-file: diskcache never learned its name
+            raise
+        os.close(fd)
+        return len(header) + len(value.data), MODE_BINARY, filename, None
+
+
+class BlockStore(diskcache.Cache):
+    """diskcache.Cache with a read path that does not take SQLite's write lock.
+
+    With the least-recently-used policy, diskcache's own get() updates the row's access time in a write
+    transaction and reads the value file while holding it, so parallel readers (read-ahead threads, other
+    processes) queue behind each other: 8 threads read cold blocks at half the speed of one. get_block()
+    instead looks the row up without a transaction and records the access; the access times are written
+    in one batched UPDATE at most every TOUCH_FLUSH_S seconds (and before every cull), so eviction order
+    is least-recently-used to within that interval.
+    """
+
+    TOUCH_FLUSH_S = 2.0
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._touched: dict[int, float] = {}
+        self._next_touch_flush = time.monotonic() + self.TOUCH_FLUSH_S
+        super().__init__(*args, **kwargs)
+
+    def get_block(self, key: str) -> bytes | None:
+        db_key, raw = self._disk.put(key)
+        rows = self._sql(
+            "SELECT rowid, mode, filename, value FROM Cache WHERE key = ? AND raw = ?", (db_key, raw)
+        ).fetchall()
+        if not rows:
+            return None
+        ((rowid, mode, filename, db_value),) = rows
+        try:
+            data = self._disk.fetch(mode, filename, db_value, False)
+        except OSError:
+            return None  # evicted between the lookup and the read
+        self._touched[rowid] = time.time()
+        if time.monotonic() >= self._next_touch_flush:
+            self.flush_touches()
+        return data
+
+    def flush_touches(self) -> None:
+        touched, self._touched = self._touched, {}
+        self._next_touch_flush = time.monotonic() + self.TOUCH_FLUSH_S
+        if not touched:
+            return
+        with self._transact(retry=True) as (sql, _):
+            for rowid, when in touched.items():
+                sql("UPDATE Cache SET access_time = ? WHERE rowid = ?", (when, rowid))
+
+    def cull(self, retry: bool = False) -> int:
+        self.flush_touches()
+        return int(super().cull(retry=retry))
