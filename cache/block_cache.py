@@ -66,27 +66,29 @@ class BlockCache:
             self.stats.add("memory_hits")
             self.stats.add("bytes_from_memory", len(data))
             return data
-        return self._flight.run(key, lambda: self._load(key, fetch, keep_in_memory))
+        return self._flight.run(key, lambda publish: self._load(key, fetch, keep_in_memory, publish))
 
     def ensure_on_disk(self, key: str, fetch: Callable[[], Block]) -> bool:
         """For warm-up: stores the block on disk if it is not there yet. Returns True if it was fetched."""
         if self.disk is not None and self.disk.contains(key):
             return False
         misses_before = self.stats.snapshot()["misses"]
-        self._flight.run(key, lambda: self._load(key, fetch, keep_in_memory=False))
+        self._flight.run(key, lambda publish: self._load(key, fetch, False, publish))
         return self.stats.snapshot()["misses"] > misses_before
 
-    def _load(self, key: str, fetch: Callable[[], Block], keep_in_memory: bool) -> Block:
+    def _load(
+        self, key: str, fetch: Callable[[], Block], keep_in_memory: bool, publish: Callable[[Block], None]
+    ) -> Block:
         data = self._from_disk(key)
         if data is None:
             if self.locks is None:
-                data = self._fetch(key, fetch)
-            else:
-                with self.locks.hold(key):
-                    # Another process may have fetched it while we waited for the lock.
-                    data = self._from_disk(key)
-                    if data is None:
-                        data = self._fetch(key, fetch)
+                return self._fetch(key, fetch, keep_in_memory, publish)
+            with self.locks.hold(key):
+                # Another process may have fetched it while we waited for the lock.
+                data = self._from_disk(key)
+                if data is None:
+                    # The lock is held until the block is on disk, so other processes find it there.
+                    return self._fetch(key, fetch, keep_in_memory, publish)
         if keep_in_memory:
             self.memory.put(key, data)
         return data
@@ -100,10 +102,15 @@ class BlockCache:
             self.stats.add("bytes_from_disk", len(data))
         return data
 
-    def _fetch(self, key: str, fetch: Callable[[], Block]) -> Block:
+    def _fetch(
+        self, key: str, fetch: Callable[[], Block], keep_in_memory: bool, publish: Callable[[Block], None]
+    ) -> Block:
         data = fetch()
         self.stats.add("misses")
         self.stats.add("bytes_fetched", len(data))
+        if keep_in_memory:
+            self.memory.put(key, data)
+        publish(data)  # readers of this process go on while the block is written to disk
         if self.disk is not None:
             self.disk.put(key, data)
         return data

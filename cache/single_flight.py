@@ -1,4 +1,8 @@
-"""Single-flight: however many threads ask for the same missing block at once, one of them fetches it."""
+"""Single-flight: however many threads ask for the same missing block at once, one of them fetches it.
+
+The leader may `publish` its result before it has finished (the cache publishes a fetched block before
+writing it to disk), so waiters need not wait for work that is not theirs.
+"""
 
 from __future__ import annotations
 
@@ -20,7 +24,8 @@ class SingleFlight(Generic[T]):
         self._lock = threading.Lock()
         self._in_flight = {}
 
-    def run(self, key: str, fn: Callable[[], T]) -> T:
+    def run(self, key: str, fn: Callable[[Callable[[T], None]], T]) -> T:
+        """Runs fn(publish) once per key at a time; concurrent callers get the published or returned value."""
         with self._lock:
             future = self._in_flight.get(key)
             leader = future is None
@@ -28,14 +33,23 @@ class SingleFlight(Generic[T]):
                 future = self._in_flight[key] = Future()
         if not leader:
             return future.result()
-        try:
-            result = fn()
-        except BaseException as exc:
-            future.set_exception(exc)
-            raise
-        else:
-            future.set_result(result)
-            return result
-        finally:
+
+        def forget() -> None:
             with self._lock:
-                self._in_flight.pop(key, None)
+                if self._in_flight.get(key) is future:
+                    del self._in_flight[key]
+
+        def publish(result: T) -> None:
+            forget()
+            if not future.done():
+                future.set_result(result)
+
+        try:
+            result = fn(publish)
+        except BaseException as exc:
+            forget()
+            if not future.done():
+                future.set_exception(exc)
+            raise
+        publish(result)
+        return result

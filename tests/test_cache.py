@@ -8,6 +8,7 @@ import os
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -62,7 +63,8 @@ def test_single_flight_runs_one_fetch_for_many_waiters() -> None:
 
     results: list[bytes] = []
     threads = [
-        threading.Thread(target=lambda: results.append(flight.run("k", slow_fetch))) for _ in range(16)
+        threading.Thread(target=lambda: results.append(flight.run("k", lambda publish: slow_fetch())))
+        for _ in range(16)
     ]
     threads[0].start()
     started.wait(5)
@@ -74,6 +76,25 @@ def test_single_flight_runs_one_fetch_for_many_waiters() -> None:
     assert results == [b"data"] * 16
 
 
+def test_single_flight_waiters_get_a_published_result_before_the_leader_finishes() -> None:
+    flight: SingleFlight[bytes] = SingleFlight()
+    published, leader_done = threading.Event(), threading.Event()
+
+    def leader(publish: Callable[[bytes], None]) -> bytes:
+        publish(b"early")
+        published.set()
+        time.sleep(0.5)  # e.g. writing the block to disk
+        leader_done.set()
+        return b"early"
+
+    t = threading.Thread(target=flight.run, args=("k", leader))
+    t.start()
+    published.wait(5)
+    assert flight.run("k", lambda publish: b"refetched") in (b"early", b"refetched")
+    assert not leader_done.is_set()  # nobody waited for the leader's slow tail
+    t.join(5)
+
+
 def test_single_flight_passes_errors_to_every_waiter_and_forgets_them() -> None:
     flight: SingleFlight[bytes] = SingleFlight()
 
@@ -81,8 +102,8 @@ def test_single_flight_passes_errors_to_every_waiter_and_forgets_them() -> None:
         raise OSError("backend down")
 
     with pytest.raises(OSError, match="backend down"):
-        flight.run("k", failing)
-    assert flight.run("k", lambda: b"ok") == b"ok"  # a failure is not cached
+        flight.run("k", lambda publish: failing())
+    assert flight.run("k", lambda publish: b"ok") == b"ok"  # a failure is not cached
 
 
 def test_blocks_survive_a_new_cache_object_and_count_tier_hits(tmp_path: Path) -> None:
@@ -217,3 +238,41 @@ def test_two_processes_fetch_each_block_once(tmp_path: Path) -> None:
     totals = read_totals(tmp_path / "c" / "stats.sqlite")
     assert totals["misses"] == len(keys)
     assert totals["disk_hits"] == len(keys)
+
+
+WRITE_UNTIL_KILLED = """
+import sys, hashlib
+from pffs.cache import BlockCache
+cache = BlockCache(sys.argv[1], disk_capacity_bytes=8 << 20, memory_capacity_bytes=0)
+i = 0
+while True:
+    key = f"k{i % 64}-{i}"
+    cache.get(key, lambda: hashlib.sha256(key.encode()).digest() * 4096)  # 128 KiB derived from the key
+    if i == 20:
+        print("writing", flush=True)
+    i += 1
+"""
+
+
+def test_kill_9_mid_write_leaves_a_cache_that_serves_no_bad_byte(tmp_path: Path) -> None:
+    import hashlib
+    import signal
+    import sys
+
+    proc = subprocess.Popen(
+        [sys.executable, "-c", WRITE_UNTIL_KILLED, str(tmp_path)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "writing"
+        time.sleep(0.5)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+    cache = BlockCache(tmp_path, disk_capacity_bytes=8 << 20, memory_capacity_bytes=0)
+    assert cache.disk is not None
+    keys = list(cache.disk._cache.iterkeys())
+    assert len(keys) > 10
+    for key in keys:
+        expected = hashlib.sha256(key.encode()).digest() * 4096
+        assert bytes(cache.get(key, lambda k=key: hashlib.sha256(k.encode()).digest() * 4096)) == expected
+    assert cache.disk.used_bytes() <= 8 << 20
