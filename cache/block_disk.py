@@ -12,7 +12,7 @@ from typing import Any
 import diskcache
 from diskcache.core import MODE_BINARY, UNKNOWN
 
-from .block_format import block_header
+from .block_format import CorruptBlockError, block_header, read_block_file
 
 
 class BlockPayload:
@@ -64,16 +64,18 @@ class BlockStore(diskcache.Cache):
         super().__init__(*args, **kwargs)
 
     def get_block(self, key: str) -> bytes | None:
+        """The block's verified payload, None if absent; CorruptBlockError if its file is damaged."""
         db_key, raw = self._disk.put(key)
-        rows = self._sql(
-            "SELECT rowid, mode, filename, value FROM Cache WHERE key = ? AND raw = ?", (db_key, raw)
-        ).fetchall()
+        select = "SELECT rowid, filename FROM Cache WHERE key = ? AND raw = ?"
+        rows = self._sql(select, (db_key, raw)).fetchall()
         if not rows:
             return None
-        ((rowid, mode, filename, db_value),) = rows
+        ((rowid, filename),) = rows
+        if filename is None:
+            raise CorruptBlockError("block stored without a file")
         try:
-            data = self._disk.fetch(mode, filename, db_value, False)
-        except OSError:
+            data = read_block_file(os.path.join(self.directory, filename))
+        except FileNotFoundError:
             return None  # evicted between the lookup and the read
         self._touched[rowid] = time.time()
         if time.monotonic() >= self._next_touch_flush:

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from .block_disk import BlockDisk, BlockPayload, BlockStore
-from .block_format import CorruptBlockError, is_intact, unpack_block
+from .block_format import CorruptBlockError, is_intact
 from .stats import CacheStats
 
 log = logging.getLogger(__name__)
@@ -40,16 +40,12 @@ class DiskTier:
             tag_index=False,
         )
 
-    def get(self, key: str) -> memoryview | None:
+    def get(self, key: str) -> bytes | None:
         try:
-            stored = self._cache.get_block(key)
+            return self._cache.get_block(key)
         except (OSError, sqlite3.Error) as exc:
             log.warning("disk cache read failed for block %s: %s; reading from the backend", key, exc)
             return None
-        if stored is None:
-            return None
-        try:
-            return unpack_block(stored)
         except CorruptBlockError as exc:
             self.stats.add("corrupt_blocks")
             log.warning("dropping corrupt cached block %s (%s); it will be fetched again", key, exc)

@@ -26,3 +26,8 @@ def pffs_fs(target: str, cache_dir: Path, **options: Any) -> Any:
     return fsspec.filesystem(
         "pffs", target=target, cache_dir=str(cache_dir), skip_instance_cache=True, **options
     )
+
+
+def server_options(server: Any) -> dict[str, Any]:
+    """pffs keyword arguments that reach a SeaweedS3 server."""
+    return {"endpoint_url": server.endpoint_url, "key": server.access_key, "secret": server.secret_key}

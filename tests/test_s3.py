@@ -13,7 +13,7 @@ from typing import Any
 
 import fsspec
 import pytest
-from helpers import pattern, pffs_fs, sha256
+from helpers import pattern, pffs_fs, server_options, sha256
 
 import pffs
 from pffs.backends import BackendUnavailableError, ObjectChangedError
@@ -112,6 +112,11 @@ def test_cat_of_an_object_changing_underneath_starts_over_on_the_new_version(
     assert fs.cat_file("w") == new  # If-Match fails on the old ETag; the read restarts on the new version
 
 
+def child_args(target: str, cache_dir: Path, server: SeaweedS3) -> list[str]:
+    """argv for a child process that opens pffs on the test server (see the scripts below)."""
+    return [target, str(cache_dir), server.endpoint_url, server.access_key, server.secret_key]
+
+
 READ_IN_CHILD = """
 import json, sys, fsspec, hashlib
 fs = fsspec.filesystem("pffs", target=sys.argv[1], cache_dir=sys.argv[2], block_size="256K",
@@ -128,13 +133,7 @@ def test_two_processes_reading_one_object_fetch_each_block_once(
 ) -> None:
     data = pattern(12 * BLOCK + 11, seed=8)
     raw_s3.pipe(f"{bucket}/big", data)
-    args = [
-        f"s3://{bucket}",
-        str(cache_dir),
-        s3_server.endpoint_url,
-        s3_server.access_key,
-        s3_server.secret_key,
-    ]
+    args = child_args(f"s3://{bucket}", cache_dir, s3_server)
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", READ_IN_CHILD, *args],
@@ -187,13 +186,7 @@ def test_concurrent_threads_and_processes_read_correct_bytes(
         "endpoint_url=sys.argv[3], key=sys.argv[4], secret=sys.argv[5])\n"
         "for n in sys.argv[6:]: print(n, hashlib.sha256(fs.cat_file(n)).hexdigest())\n"
     )
-    args = [
-        f"s3://{bucket}",
-        str(cache_dir),
-        s3_server.endpoint_url,
-        s3_server.access_key,
-        s3_server.secret_key,
-    ]
+    args = child_args(f"s3://{bucket}", cache_dir, s3_server)
     procs = [
         subprocess.Popen([sys.executable, "-c", script, *args, *objects], stdout=subprocess.PIPE, text=True)
         for _ in range(2)
@@ -244,28 +237,14 @@ def test_backend_down_cached_data_reads_uncached_fails_clearly(tmp_path: Path, c
         warm, cold = pattern(3 * BLOCK, seed=30), pattern(2 * BLOCK, seed=31)
         raw.pipe("outage/warm", warm)
         raw.pipe("outage/cold", cold)
-        fs = pffs_fs(
-            "s3://outage",
-            cache_dir,
-            metadata_ttl=3600,
-            endpoint_url=server.endpoint_url,
-            key=server.access_key,
-            secret=server.secret_key,
-        )
+        options = server_options(server)
+        fs = pffs_fs("s3://outage", cache_dir, metadata_ttl=3600, **options)
         assert fs.cat_file("warm") == warm
         fs.info("cold")
         server.stop()
 
         assert sha256(fs.cat_file("warm")) == sha256(warm)  # from the cache
-        fresh = pffs_fs(
-            "s3://outage",
-            cache_dir,
-            metadata_ttl=3600,
-            endpoint_url=server.endpoint_url,
-            key=server.access_key,
-            secret=server.secret_key,
-            memory_cache_size=0,
-        )
+        fresh = pffs_fs("s3://outage", cache_dir, metadata_ttl=3600, memory_cache_size=0, **options)
         fresh.vfs.metadata.put(fs.vfs.stat("outage/warm"))
         assert sha256(fresh.cat_file("warm")) == sha256(warm)  # from the disk tier, another process' view
         started = time.monotonic()

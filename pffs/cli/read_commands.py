@@ -47,11 +47,14 @@ def cat(args: argparse.Namespace) -> int:
     handle = vfs.open(path)
     out = sys.stdout.buffer
     offset = 0
-    while offset < handle.info.size:
-        chunk = handle.read(offset, vfs.settings.block_size)
-        out.write(chunk)
-        offset += len(chunk)
-    out.flush()
+    try:
+        while offset < handle.info.size:
+            chunk = handle.read(offset, vfs.settings.block_size)
+            out.write(chunk)
+            offset += len(chunk)
+        out.flush()
+    finally:
+        handle.close()
     return 0
 
 

@@ -178,6 +178,10 @@ class PffsReadFile(AbstractBufferedFile):
             fs, path, mode="rb", block_size=handle.reader.block_size, cache_type="none", size=handle.info.size
         )
 
+    def close(self) -> None:
+        self.handle.close()
+        super().close()
+
     def _fetch_range(self, start: int, end: int) -> bytes:
         return self.handle.read(start, end - start)
 

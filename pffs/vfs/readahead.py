@@ -7,6 +7,9 @@ seek elsewhere drops it back to none. All readers of a process share one budget 
 from __future__ import annotations
 
 import threading
+from concurrent.futures import Future
+
+from pffs.cache import Block
 
 
 class ReadAheadBudget:
@@ -34,13 +37,31 @@ class ReadAheadBudget:
 
 
 class ReadAheadState:
-    """The sequential-access detector of one open object."""
+    """The sequential-access detector of one open object, and the blocks fetched ahead for it.
+
+    Prefetched blocks are held here until read, not only in the memory tier, so read-ahead works however
+    small the memory tier is (and never has to be fetched twice).
+    """
 
     def __init__(self, max_window_blocks: int) -> None:
         self.max_window_blocks = max(0, max_window_blocks)
         self.window_blocks = 0
         self.next_offset = 0
         self.scheduled_up_to = -1  # highest block index already handed to the prefetcher
+        self.pending: dict[int, Future[Block]] = {}
+        self.lock = threading.Lock()  # a handle may be read from several threads (FUSE does)
+
+    def take(self, first: int, last: int) -> dict[int, Future[Block]]:
+        """The prefetched blocks of [first, last]; drops those behind `first`, which a seek left unread."""
+        for index in [i for i in self.pending if i < first]:
+            self.pending.pop(index).cancel()
+        return {i: self.pending.pop(i) for i in range(first, last + 1) if i in self.pending}
+
+    def close(self) -> None:
+        with self.lock:
+            for future in self.pending.values():
+                future.cancel()
+            self.pending.clear()
 
     def on_read(self, offset: int, end: int, last_block: int) -> range:
         """Records a read of [offset, end) and returns the block indexes to prefetch now."""

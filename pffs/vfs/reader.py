@@ -7,7 +7,6 @@ reader is sequential. Every key carries the object's identity, so bytes of two v
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -16,8 +15,6 @@ from pffs.backends.backend import Backend, ObjectInfo
 from pffs.cache import Block, BlockCache
 from pffs.cache.fork import after_fork_in_child
 from pffs.vfs.readahead import ReadAheadBudget, ReadAheadState
-
-log = logging.getLogger(__name__)
 
 
 class ObjectReader:
@@ -78,44 +75,42 @@ class ObjectReader:
         if offset >= end:
             return b""
         first, last = offset // self.block_size, (end - 1) // self.block_size
+        ready: dict[int, Future[Block]] = {}
         if state is not None:
-            for index in state.on_read(offset, end, last):
-                if index < self.block_count(info):
-                    self._prefetch(info, index)
+            with state.lock:
+                ready = state.take(first, last)
+                for index in state.on_read(offset, end, last):
+                    if index < self.block_count(info) and (future := self._prefetch(info, index)) is not None:
+                        state.pending[index] = future
         # Blocks after the first are fetched in parallel while the first is read here.
-        later: list[Future[Block]] = [
-            self.pool.submit(self.block, info, i) for i in range(first + 1, last + 1)
-        ]
+        for index in range(first + 1, last + 1):
+            if index not in ready:
+                ready[index] = self.pool.submit(self.block, info, index)
         try:
-            blocks = [self.block(info, first)] + [f.result() for f in later]
+            first_block = ready.pop(first).result() if first in ready else self.block(info, first)
+            blocks = [first_block] + [ready[i].result() for i in range(first + 1, last + 1)]
         finally:
-            for f in later:
-                f.cancel()
+            for future in ready.values():
+                future.cancel()
         head = offset - first * self.block_size
         if len(blocks) == 1:
-            return bytes(blocks[0][head : head + end - offset])
+            block = blocks[0]
+            if head == 0 and end - offset == len(block) and isinstance(block, bytes):
+                return block  # a whole-block read (the common sequential case): no copy
+            return bytes(block[head : head + end - offset])
         parts = [memoryview(b) for b in blocks]
         parts[0] = parts[0][head:]
         parts[-1] = parts[-1][: end - last * self.block_size]
         return b"".join(parts)
 
-    def _prefetch(self, info: ObjectInfo, index: int) -> None:
-        if self.cache.memory.get(self.key(info, index)) is not None:
-            return
+    def _prefetch(self, info: ObjectInfo, index: int) -> Future[Block] | None:
+        """Starts fetching a block ahead of the reader, if the process's read-ahead budget allows."""
         start, end = self.block_range(info, index)
-        size = end - start
-        if not self.budget.try_reserve(size):
-            return
-
-        def fetch() -> None:
-            try:
-                self.block(info, index)
-            except Exception as exc:  # the reader will fetch it itself and see the error
-                log.debug("read-ahead of %s block %d failed: %s", info.path, index, exc)
-            finally:
-                self.budget.release(size)
-
-        self.pool.submit(fetch)
+        if not self.budget.try_reserve(end - start):
+            return None
+        future = self.pool.submit(self.block, info, index)
+        future.add_done_callback(lambda _: self.budget.release(end - start))
+        return future
 
     def warm_block(self, info: ObjectInfo, index: int) -> int:
         """Puts one block on disk (not in memory); returns the bytes fetched, 0 if it was cached already."""

@@ -28,6 +28,10 @@ class OpenObject:
     def read(self, offset: int, length: int) -> bytes:
         return self.reader.read(self.info, offset, length, self.state)
 
+    def close(self) -> None:
+        """Drops the blocks fetched ahead that were not read."""
+        self.state.close()
+
 
 class Vfs:
     def __init__(self, backend: Backend, settings: CacheSettings, cache: BlockCache | None = None) -> None:
@@ -73,12 +77,15 @@ class Vfs:
             info = self.stat(path, fresh=attempt > 0)
             if info.is_dir:
                 raise IsADirectoryError(21, f"{self.backend.url(path)} is a directory")
+            state = self.reader.new_state()
             try:
-                return self.reader.read(info, offset, length, self.reader.new_state())
+                return self.reader.read(info, offset, length, state)
             except ObjectChangedError:
                 self.metadata.invalidate(path)
                 if attempt:
                     raise
+            finally:
+                state.close()
         raise AssertionError("unreachable")
 
     def walk_files(self, path: str) -> Iterator[ObjectInfo]:
