@@ -251,3 +251,20 @@ def test_backend_down_cached_data_reads_uncached_fails_clearly(tmp_path: Path, c
         with pytest.raises(BackendUnavailableError, match=r"s3://outage/cold: backend unavailable"):
             fs.cat_file("cold")
         assert time.monotonic() - started < 30
+
+
+def test_listings_are_trusted_for_the_ttl_and_dropped_by_writes(
+    raw_s3: Any, bucket: str, s3_options: dict[str, Any], cache_dir: Path
+) -> None:
+    raw_s3.pipe(f"{bucket}/d/a", b"a")
+    fs = pffs_fs(f"s3://{bucket}", cache_dir, metadata_ttl=3600, **s3_options)
+    assert fs.find("d") == ["d/a"] and [e["name"] for e in fs.ls("d")] == ["d/a"]
+    raw_s3.pipe(f"{bucket}/d/b", b"b")  # behind pffs's back: not seen within the TTL
+    assert fs.find("d") == ["d/a"] and [e["name"] for e in fs.ls("d")] == ["d/a"]
+    fs.pipe_file("d/c", b"c")  # through pffs: listings are dropped
+    assert fs.find("d") == ["d/a", "d/b", "d/c"]
+    short = pffs_fs(f"s3://{bucket}", cache_dir, metadata_ttl=0.2, **s3_options)
+    assert short.find("d") == ["d/a", "d/b", "d/c"]
+    raw_s3.rm(f"{bucket}/d/a")
+    time.sleep(0.3)
+    assert short.find("d") == ["d/b", "d/c"]

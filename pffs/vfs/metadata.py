@@ -14,6 +14,8 @@ class MetadataCache:
         self.ttl_s = ttl_s
         self._lock = threading.Lock()
         self._entries: dict[str, tuple[float, ObjectInfo]] = {}
+        # (kind, path) -> listing; kind is "dir" (one level) or "find" (recursive)
+        self._listings: dict[tuple[str, str], tuple[float, list[ObjectInfo]]] = {}
 
     def reset_after_fork(self) -> None:
         self._lock = threading.Lock()
@@ -41,9 +43,26 @@ class MetadataCache:
             if len(self._entries) > 1_000_000:
                 self._drop_expired()
 
+    def get_listing(self, kind: str, path: str) -> list[ObjectInfo] | None:
+        with self._lock:
+            hit = self._listings.get((kind, path))
+        if hit is None or time.monotonic() >= hit[0]:
+            return None
+        return hit[1]
+
+    def put_listing(self, kind: str, path: str, entries: list[ObjectInfo]) -> None:
+        """Remembers a listing and the entry of every object in it."""
+        self.put_many(entries)
+        if self.ttl_s > 0:
+            with self._lock:
+                self._listings[(kind, path)] = (time.monotonic() + self.ttl_s, entries)
+
     def invalidate(self, path: str) -> None:
         with self._lock:
             self._entries.pop(path, None)
+            # Any listing may name the path (its directory, a recursive listing above it): drop them all.
+            # Writes through pffs are rare next to reads, so this costs little.
+            self._listings.clear()
 
     def _drop_expired(self) -> None:
         now = time.monotonic()

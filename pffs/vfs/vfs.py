@@ -56,13 +56,19 @@ class Vfs:
         return info
 
     def list_dir(self, path: str) -> list[ObjectInfo]:
-        entries = self.backend.list_dir(path)
-        self.metadata.put_many(entries)
+        """One level, from one LIST; trusted for the metadata TTL."""
+        entries = self.metadata.get_listing("dir", path)
+        if entries is None:
+            entries = self.backend.list_dir(path)
+            self.metadata.put_listing("dir", path, entries)
         return entries
 
     def find(self, path: str) -> list[ObjectInfo]:
-        entries = self.backend.find(path)
-        self.metadata.put_many(entries)
+        """Every object under path, from as few LISTs as the backend allows; trusted for the metadata TTL."""
+        entries = self.metadata.get_listing("find", path)
+        if entries is None:
+            entries = self.backend.find(path)
+            self.metadata.put_listing("find", path, entries)
         return entries
 
     def open(self, path: str) -> OpenObject:
