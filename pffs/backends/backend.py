@@ -65,15 +65,6 @@ class Backend:
                     self._fs_pid = os.getpid()
         return self._fs
 
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state.update(_fs=None, _fs_pid=0, _lock=None)
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._lock = threading.Lock()
-
     def url(self, path: str) -> str:
         return f"{self.protocol}://{path}" if self.protocol != "file" else path
 
