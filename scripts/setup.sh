@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs everything pffs needs on a fresh Debian machine (run as root), and is safe to run again:
 # system packages with apt-get (only those missing), then a project virtualenv in .venv with pffs
-# installed editable plus its dev tools. Re-runs skip the pip step unless pyproject.toml changed.
+# installed editable plus its dev tools, at the exact versions of constraints.txt (pip's resolver alone
+# can backtrack for many minutes over aiobotocore). Re-runs skip the pip step unless either file changed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -24,10 +25,10 @@ if [ ! -x .venv/bin/python ]; then
 fi
 
 stamp=.venv/.pffs-installed
-want=$(sha256sum pyproject.toml | cut -d' ' -f1)
+want=$(cat pyproject.toml constraints.txt | sha256sum | cut -d' ' -f1)
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     echo "setup: installing Python packages into .venv (pip cache is reused between runs)"
     .venv/bin/python -m pip install -q --upgrade pip
-    .venv/bin/python -m pip install -q -e '.[dev]'
+    .venv/bin/python -m pip install -q -c constraints.txt -e '.[dev]'
     echo "$want" > "$stamp"
 fi
