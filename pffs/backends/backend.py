@@ -10,16 +10,20 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import fsspec
 from fsspec.asyn import sync
 
 from pffs.backends.errors import ObjectChangedError
-from pffs.backends.identity import identity_token
+from pffs.backends.identity import identity_token, mtime_seconds
+from pffs.backends.request_stats import RequestStats
 from pffs.backends.retry import RetryPolicy
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +36,7 @@ class ObjectInfo:
     identity: str  # see identity.identity_token
     etag: str | None = None  # S3's raw ETag, for If-Match
     version_id: str | None = None
+    mtime: float = 0.0  # seconds since the epoch; 0 where the backend has none (S3 prefixes)
 
     @property
     def cache_id(self) -> str:
@@ -55,6 +60,7 @@ class Backend:
         self._fs: fsspec.AbstractFileSystem | None = None
         self._fs_pid = 0
         self._lock = threading.Lock()
+        self.requests = RequestStats()
 
     @property
     def fs(self) -> fsspec.AbstractFileSystem:
@@ -78,19 +84,65 @@ class Backend:
             identity="dir" if is_dir else identity_token(self.protocol, raw),
             etag=raw.get("ETag"),
             version_id=raw.get("VersionId") or None,
+            mtime=mtime_seconds(raw),
         )
 
+    def _call(self, kind: str, fn: Callable[[], T], path: str) -> T:
+        """One request (with its retries), counted and timed as `kind` in self.requests."""
+        started = time.perf_counter()
+        failed = True
+        try:
+            result = self.retry.call(fn, self.url(path))
+            failed = False
+            return result
+        finally:
+            self.requests.record(kind, time.perf_counter() - started, failed)
+
     def stat(self, path: str) -> ObjectInfo:
-        return self._to_info(self.retry.call(lambda: self.fs.info(path), self.url(path)))
+        return self._to_info(self._call("head", lambda: self.fs.info(path), path))
 
     def list_dir(self, path: str) -> list[ObjectInfo]:
-        entries = self.retry.call(lambda: self.fs.ls(path, detail=True), self.url(path))
+        entries = self._call("list", lambda: self.fs.ls(path, detail=True), path)
         return [self._to_info(e) for e in entries]
 
     def find(self, path: str) -> list[ObjectInfo]:
         """Every object under path (recursive), from as few listing requests as the backend allows."""
-        found = self.retry.call(lambda: self.fs.find(path, detail=True), self.url(path))
+        found = self._call("list", lambda: self.fs.find(path, detail=True), path)
         return [self._to_info(e) for e in found.values() if e.get("type") != "directory"]
+
+    # Writes. Each drops what fsspec's own caches knew of the path; callers drop their own.
+
+    def upload(self, local_path: str, path: str) -> None:
+        """Puts a local file at path (multipart where the backend does that for large files)."""
+        self._call("put", lambda: self.fs.put_file(local_path, path), path)
+        self.invalidate(path)
+
+    def remove(self, path: str) -> None:
+        self._call("delete", lambda: self.fs.rm_file(path), path)
+        self.invalidate(path)
+
+    def copy(self, source: str, target: str) -> None:
+        """Server-side where the backend can (S3 CopyObject)."""
+        self._call("copy", lambda: self.fs.copy(source, target), target)
+        self.invalidate(target)
+
+    def move(self, source: str, target: str) -> None:
+        """A rename where the backend has one; copy then delete elsewhere (S3: not atomic)."""
+        self._call("copy", lambda: self.fs.mv(source, target), target)
+        self.invalidate(source)
+        self.invalidate(target)
+
+    def make_dir(self, path: str) -> None:
+        self._call("put", lambda: self.fs.makedirs(path, exist_ok=True), path)
+        self.invalidate(path)
+
+    def remove_dir(self, path: str) -> None:
+        """Removes an empty directory (the caller checked it is empty)."""
+        self._call("delete", lambda: self.fs.rmdir(path), path)
+        self.invalidate(path)
+
+    # Object stores have no directories of their own: a prefix exists while an object is under it.
+    has_real_directories = True
 
     def read_range(self, info: ObjectInfo, start: int, end: int) -> bytes:
         """Bytes [start, end) of exactly the version `info` describes, or ObjectChangedError."""
@@ -103,7 +155,7 @@ class Backend:
                 raise OSError(f"short read: {len(data)} of {end - start} bytes")
             return data
 
-        return self.retry.call(read, self.url(info.path))
+        return self._call("get", read, info.path)
 
     # Cheap-to-stat backends check the object is unchanged after every read; others only after a short read.
     verify_after_read = False
@@ -156,7 +208,16 @@ class S3Backend(Backend):
                 raise OSError(f"short read: {len(data)} of {end - start} bytes")
             return data
 
-        return self.retry.call(read, self.url(info.path))
+        return self._call("get", read, info.path)
+
+    has_real_directories = False
+
+    def make_dir(self, path: str) -> None:
+        """Nothing to create: the VFS keeps a new directory until a file is written under it."""
+
+    def remove_dir(self, path: str) -> None:
+        """Nothing to remove: an empty prefix does not exist on S3 (s3fs.rmdir would delete a bucket)."""
+        self.invalidate(path)
 
 
 def _s3_error_code(exc: BaseException) -> str | None:

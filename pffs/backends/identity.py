@@ -34,3 +34,20 @@ def identity_token(protocol: str, info: dict[str, Any]) -> str:
                 return f"mtime:{value.timestamp():.9f}"
             return f"mtime:{value}"
     return "unversioned"
+
+
+def mtime_seconds(info: dict[str, Any]) -> float:
+    """The modification time in seconds since the epoch, or 0.0 where the backend gives none."""
+    for field in MTIME_FIELDS:
+        value = info.get(field)
+        if value is None:
+            continue
+        if isinstance(value, dt.datetime):
+            return value.timestamp()
+        if isinstance(value, int | float):
+            return float(value) / 1000 if value > 1e12 else float(value)  # webhdfs gives milliseconds
+        try:
+            return dt.datetime.fromisoformat(str(value)).timestamp()
+        except ValueError:
+            continue
+    return 0.0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from typing import Any
 
 from pffs.cli.context import open_cache
@@ -14,10 +15,13 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser(
         "stats",
         parents=[common],
-        help="show cache statistics (all processes that used the cache directory)",
-        description="Shows the disk cache's size and the hit, miss and eviction counters added up over "
-        "every process that read through this cache directory since it was made or cleared.",
+        help="show cache statistics (of the cache directory, or of one mount)",
+        description="Without MOUNTPOINT: the disk cache's size and the hit, miss and eviction counters "
+        "added up over every process that read through this cache directory since it was made or "
+        "cleared. With MOUNTPOINT: that mount's own counters, its backend requests with latency "
+        "percentiles, and its pending uploads.",
     )
+    p.add_argument("mountpoint", metavar="MOUNTPOINT", nargs="?", help="a pffs mount")
     p.add_argument("--json", action="store_true", help="print JSON for machines")
     p.set_defaults(run=stats)
 
@@ -52,6 +56,8 @@ def collect_stats(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def stats(args: argparse.Namespace) -> int:
+    if args.mountpoint:
+        return mount_stats(args.mountpoint, args.json)
     report = collect_stats(args)
     if args.json:
         print(json.dumps(report, indent=2))
@@ -76,6 +82,47 @@ def stats(args: argparse.Namespace) -> int:
     width = max(len(name) for name, _ in rows)
     for name, value in rows:
         print(f"{name:<{width}}  {value}")
+    return 0
+
+
+def mount_stats(mountpoint: str, as_json: bool) -> int:
+    try:
+        report = json.loads(os.getxattr(mountpoint, "user.pffs.stats"))
+    except OSError as exc:
+        raise OSError(exc.errno, f"{mountpoint} is not a running pffs mount ({exc.strerror})") from None
+    if as_json:
+        print(json.dumps(report, indent=2))
+        return 0
+    cache, usage = report["cache"], report["cache_usage"]
+    lookups = cache["memory_hits"] + cache["disk_hits"] + cache["misses"]
+    hits = cache["memory_hits"] + cache["disk_hits"]
+    rows = [
+        ("mount", f"{report['source']} at {report['mountpoint']} (pid {report['pid']})"),
+        ("hit ratio", f"{hits / lookups:.1%}" if lookups else "-"),
+        ("memory hits", f"{cache['memory_hits']:,}  ({format_size(cache['bytes_from_memory'])})"),
+        ("disk hits", f"{cache['disk_hits']:,}  ({format_size(cache['bytes_from_disk'])})"),
+        ("misses (backend fetches)", f"{cache['misses']:,}  ({format_size(cache['bytes_fetched'])})"),
+        (
+            "memory tier",
+            f"{format_size(usage['memory_bytes'])} of {format_size(usage['memory_capacity_bytes'])}",
+        ),
+        ("disk tier", f"{format_size(usage['disk_bytes'])} of {format_size(usage['disk_capacity_bytes'])}"),
+        (
+            "uploads pending / done / failed",
+            f"{report['uploads_pending']} / {report['uploads_done']} / {report['upload_failures']}",
+        ),
+        ("open files", f"{report['open_files']}"),
+    ]
+    width = max(len(name) for name, _ in rows)
+    for name, value in rows:
+        print(f"{name:<{width}}  {value}")
+    print()
+    print(f"{'backend requests':<16} {'count':>9} {'errors':>7} {'p50 ms':>9} {'p90 ms':>9} {'p99 ms':>9}")
+    for kind, row in report["backend_requests"].items():
+        print(
+            f"{kind:<16} {row['requests']:>9,} {row['errors']:>7,} "
+            f"{row['p50_ms']:>9.2f} {row['p90_ms']:>9.2f} {row['p99_ms']:>9.2f}"
+        )
     return 0
 
 

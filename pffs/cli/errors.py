@@ -26,32 +26,32 @@ class UsageError(Exception):
 def run_reporting_errors(command: Callable[[], int]) -> int:
     try:
         return command()
-    except (UsageError, BadOptionError, UnknownSchemeError) as exc:
-        print(f"pffs: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    except ValidationError as exc:
-        print(f"pffs: error: {settings_error(exc)}", file=sys.stderr)
-        return EXIT_USAGE
-    except BackendUnavailableError as exc:
-        print(f"pffs: error: {exc} (is the endpoint right and the server up?)", file=sys.stderr)
-        return EXIT_FAILURE
     except BrokenPipeError:
         return EXIT_OK  # `pffs cat ... | head`: the reader left, nothing went wrong
-    except OSError as exc:
+    except KeyboardInterrupt:
+        print("pffs: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        message, code = describe_failure(exc)
+        print(f"pffs: {message}", file=sys.stderr)
+        return code
+
+
+def describe_failure(exc: Exception) -> tuple[str, int]:
+    """One line for the user (after "pffs: ") and the exit code, for any error a command can meet."""
+    if isinstance(exc, UsageError | BadOptionError | UnknownSchemeError):
+        return f"error: {exc}", EXIT_USAGE
+    if isinstance(exc, ValidationError):
+        return f"error: {settings_error(exc)}", EXIT_USAGE
+    if isinstance(exc, BackendUnavailableError):
+        return f"error: {exc} (is the endpoint right and the server up?)", EXIT_FAILURE
+    if isinstance(exc, OSError):
         detail = exc.strerror or str(exc)
         if exc.filename and str(exc.filename) not in detail:
             detail = f"{exc.filename}: {detail}"
         if exc.errno == errno.ENOSPC:
             detail += " (the disk is full)"
-        print(f"pffs: error: {detail}", file=sys.stderr)
-        return EXIT_FAILURE
-    except KeyboardInterrupt:
-        print("pffs: interrupted", file=sys.stderr)
-        return 130
-    except Exception as exc:  # a bug: say so once, with the traceback only under -v
-        log.debug("unexpected error", exc_info=True)
-        print(
-            f"pffs: internal error: {type(exc).__name__}: {exc} (run with -v for the traceback)",
-            file=sys.stderr,
-        )
-        return EXIT_FAILURE
+        return f"error: {detail}", EXIT_FAILURE
+    # A bug: say so once, with the traceback only under -v.
+    log.debug("unexpected error", exc_info=exc)
+    return f"internal error: {type(exc).__name__}: {exc} (run with -v for the traceback)", EXIT_FAILURE

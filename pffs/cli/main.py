@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from collections.abc import Sequence
 
 from pffs import __version__
-from pffs.cli import cache_commands, read_commands
+from pffs.cli import cache_commands, mount_commands, read_commands
 from pffs.cli.errors import EXIT_USAGE, run_reporting_errors
+from pffs.cli.logs import configure_logging
 
 DESCRIPTION = """\
 pffs: a data-caching filesystem for AI training. Reads S3, HDFS or any fsspec backend through a
@@ -70,6 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"pffs {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     read_commands.add_parsers(sub, common)
+    mount_commands.add_parsers(sub, common)
     cache_commands.add_parsers(sub, common)
     return parser
 
@@ -80,14 +81,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not getattr(args, "command", None):
         parser.print_help(sys.stderr)
         return EXIT_USAGE
-    verbosity = getattr(args, "verbose", 0) or 0
-    logging.basicConfig(
-        level=logging.DEBUG if verbosity > 1 else logging.INFO if verbosity == 1 else logging.WARNING,
-        format="pffs: %(levelname)s: %(message)s",
-    )
-    if verbosity < 2:
-        for noisy in ("botocore", "aiobotocore", "s3fs", "fsspec", "urllib3"):
-            logging.getLogger(noisy).setLevel(logging.WARNING)
+    configure_logging(getattr(args, "verbose", 0) or 0)
     return run_reporting_errors(lambda: args.run(args))
 
 

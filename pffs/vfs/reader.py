@@ -71,6 +71,20 @@ class ObjectReader:
 
     def read(self, info: ObjectInfo, offset: int, length: int, state: ReadAheadState | None = None) -> bytes:
         """Bytes [offset, offset+length) of the version `info` names, clipped at the end of the object."""
+        data = self.read_view(info, offset, length, state, as_view=False)
+        assert isinstance(data, bytes)
+        return data
+
+    def read_view(
+        self,
+        info: ObjectInfo,
+        offset: int,
+        length: int,
+        state: ReadAheadState | None = None,
+        *,
+        as_view: bool = True,
+    ) -> Block:
+        """As `read`, but a part of one block comes back as a memoryview of it (no copy)."""
         end = min(info.size, offset + length) if length >= 0 else info.size
         if offset >= end:
             return b""
@@ -92,12 +106,52 @@ class ObjectReader:
         finally:
             for future in ready.values():
                 future.cancel()
+        return self._assemble(blocks, offset, end, first, last, as_view)
+
+    def read_now(self, info: ObjectInfo, offset: int, length: int, state: ReadAheadState) -> Block | None:
+        """The read, if every block it needs is in memory or already fetched ahead; else None, having
+        changed nothing (the caller then calls `read` from a worker thread). For event loops: never blocks.
+        """
+        end = min(info.size, offset + length) if length >= 0 else info.size
+        if offset >= end:
+            return b""
+        first, last = offset // self.block_size, (end - 1) // self.block_size
+        blocks: list[Block] = []
+        from_memory = 0
+        with state.lock:
+            for index in range(first, last + 1):
+                future = state.pending.get(index)
+                if future is not None:
+                    if not future.done() or future.cancelled() or future.exception() is not None:
+                        return None
+                    blocks.append(future.result())
+                    continue
+                block = self.cache.memory.get(self.key(info, index))
+                if block is None:
+                    return None
+                blocks.append(block)
+                block_start = index * self.block_size
+                from_memory += min(end, block_start + len(block)) - max(offset, block_start)
+            state.take(first, last)
+            for index in state.on_read(offset, end, last):
+                if index < self.block_count(info) and (future := self._prefetch(info, index)) is not None:
+                    state.pending[index] = future
+        if from_memory:
+            self.cache.stats.add("memory_hits")
+            self.cache.stats.add("bytes_from_memory", from_memory)
+        return self._assemble(blocks, offset, end, first, last, True)
+
+    def _assemble(
+        self, blocks: list[Block], offset: int, end: int, first: int, last: int, as_view: bool
+    ) -> Block:
+        """Bytes [offset, end) from the blocks first..last: a view of one block, or one joined copy."""
         head = offset - first * self.block_size
         if len(blocks) == 1:
             block = blocks[0]
-            if head == 0 and end - offset == len(block) and isinstance(block, bytes):
+            if head == 0 and end - offset == len(block) and (as_view or isinstance(block, bytes)):
                 return block  # a whole-block read (the common sequential case): no copy
-            return bytes(block[head : head + end - offset])
+            part = memoryview(block)[head : head + end - offset]
+            return part if as_view else bytes(part)
         parts = [memoryview(b) for b in blocks]
         parts[0] = parts[0][head:]
         parts[-1] = parts[-1][: end - last * self.block_size]

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from pffs.backends.backend import Backend, ObjectInfo
 from pffs.backends.errors import ObjectChangedError
-from pffs.cache import BlockCache
+from pffs.cache import Block, BlockCache
 from pffs.cache.fork import after_fork_in_child
 from pffs.config import CacheSettings
 from pffs.vfs.metadata import MetadataCache
@@ -27,6 +27,14 @@ class OpenObject:
 
     def read(self, offset: int, length: int) -> bytes:
         return self.reader.read(self.info, offset, length, self.state)
+
+    def read_view(self, offset: int, length: int) -> Block:
+        """As read, but may return a memoryview of a cached block (no copy)."""
+        return self.reader.read_view(self.info, offset, length, self.state)
+
+    def read_now(self, offset: int, length: int) -> Block | None:
+        """The read if it needs no waiting (blocks in memory or fetched ahead), else None."""
+        return self.reader.read_now(self.info, offset, length, self.state)
 
     def close(self) -> None:
         """Drops the blocks fetched ahead that were not read."""
@@ -72,9 +80,12 @@ class Vfs:
         return entries
 
     def open(self, path: str) -> OpenObject:
-        info = self.stat(path)
+        return self.open_version(self.stat(path))
+
+    def open_version(self, info: ObjectInfo) -> OpenObject:
+        """A handle pinned to the version `info` names."""
         if info.is_dir:
-            raise IsADirectoryError(21, f"{self.backend.url(path)} is a directory")
+            raise IsADirectoryError(21, f"{self.backend.url(info.path)} is a directory")
         return OpenObject(info, self.reader, self.reader.new_state())
 
     def read(self, path: str, offset: int = 0, length: int = -1) -> bytes:

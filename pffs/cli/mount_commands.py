@@ -1,0 +1,223 @@
+"""`pffs mount` and `pffs umount`.
+
+`pffs mount` checks the options and the mountpoint, then starts the mount process (pffs.cli.mount_daemon)
+in its own session and waits until it says the mount is ready (exit 0) or why it is not (exit 1 or 2).
+With --foreground it serves in this process instead. The options travel as JSON on the child's stdin, so
+nothing about the mount (and never a credential) appears in its argv.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from pffs.backends.errors import BadOptionError
+from pffs.cli.context import backend_options, cache_settings
+from pffs.cli.errors import EXIT_FAILURE, EXIT_OK, UsageError
+from pffs.config import settings_error
+from pffs.fuse.options import MountOptions
+
+READY_TIMEOUT_S = 120.0
+MOUNT_HELP = """\
+Mounts SOURCE (s3://bucket/prefix, a local path, hdfs://..., any fsspec URL) at MOUNTPOINT and returns
+once the mount is ready; the mount keeps serving in the background until `pffs umount MOUNTPOINT` (or
+SIGTERM to its process). Reads go through the shared block cache; files written are staged on local disk
+and uploaded when closed or fsync'ed (close reports a failed upload; the data is kept for a retry).
+"""
+
+
+def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
+    p = sub.add_parser(
+        "mount",
+        parents=[common],
+        help="mount a backend URL as a local folder",
+        description=MOUNT_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="example:\n  pffs mount s3://datasets/imagenet /mnt/imagenet --endpoint-url http://10.0.0.5:8333",
+    )
+    p.add_argument("source", metavar="SOURCE")
+    p.add_argument("mountpoint", metavar="MOUNTPOINT")
+    p.add_argument(
+        "--attr-ttl",
+        type=float,
+        default=1.0,
+        help="seconds the kernel trusts file attributes and names, and a missing name (default 1)",
+    )
+    p.add_argument(
+        "--dir-ttl",
+        type=float,
+        help="seconds a directory listing or a stat from the backend is trusted (default 60; "
+        "same as --metadata-ttl)",
+    )
+    p.add_argument("--read-only", action="store_true", help="refuse every change (EROFS)")
+    p.add_argument("--allow-other", action="store_true", help="let other users see the mount")
+    p.add_argument("--uid", type=int, help="owner of every file (default: the mounting user)")
+    p.add_argument("--gid", type=int, help="group of every file (default: the mounting user's)")
+    p.add_argument("--file-mode", default="644", help="permission bits of files, octal (default 644)")
+    p.add_argument("--dir-mode", default="755", help="permission bits of directories, octal (default 755)")
+    p.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port")
+    p.add_argument("--metrics-address", default="127.0.0.1", help="address for /metrics (default 127.0.0.1)")
+    p.add_argument(
+        "--log-file",
+        help="where the mount process logs (default: CACHE_DIR/logs/mount-<name>.log in the "
+        "background, stderr in the foreground)",
+    )
+    p.add_argument("--foreground", "-f", action="store_true", help="serve in this process until unmounted")
+    p.set_defaults(run=mount)
+
+    p = sub.add_parser(
+        "umount",
+        parents=[common],
+        help="unmount a pffs mount (uploads what is pending first)",
+        description="Asks the mount process to upload every file still pending and unmount, and waits "
+        "for it. A dead (stale) mount, whose process is gone, is detached.",
+    )
+    p.add_argument("mountpoint", metavar="MOUNTPOINT")
+    p.add_argument(
+        "--timeout", type=float, default=600.0, help="seconds to wait for pending uploads (default 600)"
+    )
+    p.set_defaults(run=umount)
+
+
+def mount_options(args: argparse.Namespace) -> MountOptions:
+    overrides = {"metadata_ttl": args.dir_ttl} if args.dir_ttl is not None else {}
+    mountpoint = Path(os.path.realpath(os.path.expanduser(args.mountpoint)))
+    settings = cache_settings(args, **overrides)
+    log_file = args.log_file
+    if log_file is None and not args.foreground:
+        name = hashlib.blake2b(str(mountpoint).encode(), digest_size=4).hexdigest()
+        log_file = settings.cache_dir / "logs" / f"mount-{mountpoint.name or 'root'}-{name}.log"
+    try:
+        return MountOptions(
+            source=args.source,
+            mountpoint=mountpoint,
+            cache=settings,
+            backend=backend_options(args),
+            attr_ttl=args.attr_ttl,
+            read_only=args.read_only,
+            allow_other=args.allow_other,
+            uid=args.uid,
+            gid=args.gid,
+            file_mode=args.file_mode,
+            dir_mode=args.dir_mode,
+            metrics_port=args.metrics_port,
+            metrics_address=args.metrics_address,
+            log_file=Path(log_file) if log_file else None,
+            verbose=min(2, getattr(args, "verbose", 0) or 0),
+        )
+    except ValidationError as exc:
+        raise BadOptionError(settings_error(exc).replace("_", "-")) from None
+
+
+def prepare_mountpoint(path: Path) -> None:
+    from pffs.fuse.mount import force_unmount, mountpoint_state
+
+    state = mountpoint_state(path)
+    if state == "missing":
+        raise FileNotFoundError(2, f"mountpoint {path} does not exist (create it with mkdir -p)")
+    if state == "not-a-directory":
+        raise NotADirectoryError(20, f"mountpoint {path} is not a directory")
+    if state == "mounted":
+        raise OSError(16, f"mountpoint {path} is busy: something is mounted there (pffs umount {path})")
+    if state == "stale":
+        print(f"pffs: {path} was a dead mount; detaching it", file=sys.stderr)
+        force_unmount(path)
+        if mountpoint_state(path) != "free":
+            raise OSError(16, f"mountpoint {path} is a dead mount that could not be detached")
+
+
+def mount(args: argparse.Namespace) -> int:
+    options = mount_options(args)
+    if not os.path.exists("/dev/fuse"):
+        raise OSError(19, "/dev/fuse is missing: this machine cannot mount FUSE file systems")
+    prepare_mountpoint(options.mountpoint)
+    if args.foreground:
+        from pffs.fuse.mount import serve
+
+        return serve(options, ready=lambda: print(f"pffs: mounted at {options.mountpoint}", file=sys.stderr))
+    return start_in_background(options)
+
+
+def start_in_background(options: MountOptions) -> int:
+    assert options.log_file is not None
+    options.log_file.parent.mkdir(parents=True, exist_ok=True)
+    with open(options.log_file, "ab") as log:
+        child = subprocess.Popen(
+            [sys.executable, "-m", "pffs.cli.mount_daemon"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=log,
+            start_new_session=True,  # not killed with this terminal's session
+            close_fds=True,
+        )
+    assert child.stdin is not None and child.stdout is not None
+    child.stdin.write(options.model_dump_json().encode())
+    child.stdin.close()
+    readable, _, _ = select.select([child.stdout], [], [], READY_TIMEOUT_S)
+    answer = child.stdout.readline().decode(errors="replace").strip() if readable else ""
+    child.stdout.close()
+    if answer == "ok":
+        print(
+            f"pffs: mounted {options.source} at {options.mountpoint} "
+            f"(pid {child.pid}, log {options.log_file})",
+            file=sys.stderr,
+        )
+        return EXIT_OK
+    if not answer:
+        child.kill()
+        answer = f"error: the mount process did not answer (see {options.log_file})"
+    code = child.wait()
+    print(f"pffs: {answer}", file=sys.stderr)
+    return code or EXIT_FAILURE
+
+
+def umount(args: argparse.Namespace) -> int:
+    from pffs.fuse.mount import force_unmount, mountpoint_state
+
+    path = Path(os.path.abspath(os.path.expanduser(args.mountpoint)))
+    state = mountpoint_state(path)
+    if state == "stale":
+        force_unmount(path)
+        print(f"pffs: detached the dead mount at {path}", file=sys.stderr)
+        return EXIT_OK
+    if state != "mounted":
+        raise UsageError(f"{path} is not a mount point")
+    try:
+        pid = int(os.getxattr(path, "user.pffs.pid"))
+    except OSError:
+        raise OSError(22, f"{path} is not a pffs mount (use umount or fusermount3 -u)") from None
+    os.kill(pid, signal.SIGTERM)  # the mount uploads what is pending, then unmounts itself
+    deadline = time.monotonic() + args.timeout
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if _alive(pid):
+        raise TimeoutError(
+            f"the mount process {pid} is still uploading after {args.timeout:.0f} s; it goes on in the "
+            f"background (see its log), or stop it with kill {pid}"
+        )
+    if mountpoint_state(path) in ("mounted", "stale"):
+        force_unmount(path)
+    return EXIT_OK
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie (our own child, in tests) has exited.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

@@ -1,0 +1,68 @@
+"""Prometheus `/metrics` for a mount: read from the mount's own report at scrape time, so the hot path
+counts nothing twice."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector, CollectorRegistry
+
+CACHE_COUNTERS = {
+    "memory_hits": "block reads served from the memory tier",
+    "disk_hits": "block reads served from the disk tier",
+    "misses": "blocks fetched from the backend",
+    "bytes_from_memory": "bytes served from the memory tier",
+    "bytes_from_disk": "bytes served from the disk tier",
+    "bytes_fetched": "bytes fetched from the backend",
+    "memory_evictions": "blocks evicted from the memory tier",
+    "disk_evictions": "blocks evicted from the disk tier",
+    "corrupt_blocks": "disk blocks dropped because their checksum failed",
+    "disk_write_failures": "blocks that could not be written to the disk tier",
+}
+
+
+class MountCollector(Collector):
+    def __init__(self, report: Callable[[], dict[str, Any]]) -> None:
+        self._report = report
+
+    def collect(self) -> Iterator[Any]:
+        report = self._report()
+        for name, text in CACHE_COUNTERS.items():
+            yield CounterMetricFamily(f"pffs_cache_{name}", text, value=report["cache"].get(name, 0))
+        usage = GaugeMetricFamily("pffs_cache_bytes", "bytes held per cache tier", labels=["tier"])
+        usage.add_metric(["memory"], report["cache_usage"]["memory_bytes"])
+        usage.add_metric(["disk"], report["cache_usage"]["disk_bytes"])
+        yield usage
+        requests = CounterMetricFamily("pffs_backend_requests", "backend requests", labels=["kind"])
+        errors = CounterMetricFamily("pffs_backend_errors", "backend requests that failed", labels=["kind"])
+        latency = GaugeMetricFamily(
+            "pffs_backend_latency_seconds",
+            "backend request latency over recent requests",
+            labels=["kind", "quantile"],
+        )
+        for kind, row in report["backend_requests"].items():
+            requests.add_metric([kind], row["requests"])
+            errors.add_metric([kind], row["errors"])
+            for quantile, field in (("0.5", "p50_ms"), ("0.9", "p90_ms"), ("0.99", "p99_ms")):
+                latency.add_metric([kind, quantile], row[field] / 1e3)
+        yield requests
+        yield errors
+        yield latency
+        yield GaugeMetricFamily(
+            "pffs_uploads_pending", "files written and not uploaded yet", value=report["uploads_pending"]
+        )
+        yield CounterMetricFamily("pffs_uploads", "files uploaded", value=report["uploads_done"])
+        yield CounterMetricFamily(
+            "pffs_upload_failures", "uploads that failed", value=report["upload_failures"]
+        )
+        yield GaugeMetricFamily("pffs_open_files", "open file handles", value=report["open_files"])
+
+
+def start_metrics_server(report: Callable[[], dict[str, Any]], address: str, port: int) -> None:
+    from prometheus_client import start_http_server
+
+    registry = CollectorRegistry()
+    registry.register(MountCollector(report))
+    start_http_server(port, addr=address, registry=registry)

@@ -1,0 +1,147 @@
+"""A mount's life, in one place: open the backend and the cache, check the source, mount, serve until
+unmounted or signalled, upload what is pending, unmount, close.
+
+`serve` runs in the foreground (`pffs mount --foreground`) or in the background process that `pffs mount`
+starts (pffs.fuse.daemon); `ready` tells the caller the mount is up, or why it could not be.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import logging
+import os
+import signal
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+
+import pyfuse3
+import trio
+
+from pffs.backends.urls import open_backend
+from pffs.fuse.metrics import start_metrics_server
+from pffs.fuse.operations import Operations
+from pffs.fuse.options import MountOptions
+from pffs.vfs import Vfs
+from pffs.vfs.namespace import Namespace
+from pffs.vfs.staging import Staging
+
+log = logging.getLogger(__name__)
+
+READ_AHEAD_KB = 1024  # the kernel's read-ahead for this mount: more 128 KiB requests in flight
+
+
+def serve(options: MountOptions, ready: Callable[[], None]) -> int:
+    """Mounts and serves until unmounted (exit 0) or until SIGTERM/SIGINT (unmounts, exit 0). Raises
+    before `ready` if the mount cannot be made (bad source, credentials, mountpoint)."""
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    with contextlib.ExitStack() as stack:
+        backend, root = open_backend(options.source, options.backend)
+        vfs = Vfs(backend, options.cache)
+        stack.callback(vfs.cache.close)
+        root_info = vfs.stat(root)  # the backend answers, the credentials work, the source exists
+        if not root_info.is_dir:
+            raise NotADirectoryError(20, f"{options.source} is an object, not a directory or prefix")
+        staging = Staging(options.cache.cache_dir / "staging", backend)
+        for left in staging.leftovers():
+            log.warning(
+                "a file written through an earlier mount was never uploaded: %s (its data: %s)",
+                left["url"],
+                left["data"],
+            )
+        namespace = Namespace(vfs, staging, negative_ttl_s=options.attr_ttl)
+        operations = Operations(namespace, root, options)
+
+        pyfuse3.init(operations, str(options.mountpoint), fuse_options(options))
+        stack.callback(pyfuse3.close, unmount=True)
+        raise_read_ahead(options.mountpoint)
+        if options.metrics_port:
+            start_metrics_server(operations.report, options.metrics_address, options.metrics_port)
+        log.info("mounted %s at %s (pid %d)", options.source, options.mountpoint, os.getpid())
+        ready()
+        trio.run(_serve_until_unmounted)
+        failed = staging.upload_all()
+        for url in failed:
+            log.error("could not upload %s before unmounting; its data stays in %s", url, staging.directory)
+        log.info("unmounted %s", options.mountpoint)
+        return 1 if failed else 0
+    raise AssertionError("unreachable")
+
+
+async def _serve_until_unmounted() -> None:
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_terminate_on_signal)
+        await pyfuse3.main(min_tasks=4, max_tasks=64)
+        nursery.cancel_scope.cancel()
+
+
+async def _terminate_on_signal() -> None:
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+        async for signum in signals:
+            log.info("%s: uploading what is pending, then unmounting", signal.Signals(signum).name)
+            pyfuse3.terminate()
+            return
+
+
+def fuse_options(options: MountOptions) -> set[str]:
+    fsname = options.source.replace(",", "_")
+    chosen = set(pyfuse3.default_options) | {f"fsname={fsname}", "subtype=pffs", "noatime"}
+    if options.read_only:
+        chosen.add("ro")
+    if options.allow_other:
+        chosen.add("allow_other")
+    return chosen
+
+
+def raise_read_ahead(mountpoint: Path) -> None:
+    """Best effort: the default 128 KiB read-ahead keeps too few requests in flight for sequential reads.
+    The device number comes from /proc/self/mountinfo: a stat of the mountpoint would wait for this very
+    process, which is not serving yet (so is os.path.realpath of it: `pffs mount` resolved it already)."""
+    target = str(mountpoint)
+    try:
+        with open("/proc/self/mountinfo") as mounts:
+            devices = [line.split()[2] for line in mounts if line.split()[4] == target]
+        if devices:
+            Path(f"/sys/class/bdi/{devices[-1]}/read_ahead_kb").write_text(str(READ_AHEAD_KB))
+    except OSError as exc:
+        log.debug("could not raise the read-ahead of %s: %s", mountpoint, exc)
+
+
+# Mountpoint state, for `pffs mount` and `pffs umount`.
+
+
+def mountpoint_state(path: Path) -> str:
+    """'missing', 'not-a-directory', 'stale' (a dead FUSE mount: ENOTCONN), 'mounted' or 'free'."""
+    try:
+        os.stat(path)
+    except FileNotFoundError:
+        return "missing"
+    except OSError as exc:
+        if exc.errno in (107, 5):  # ENOTCONN, or EIO from some dead mounts
+            return "stale"
+        raise
+    if not os.path.isdir(path):
+        return "not-a-directory"
+    if os.path.ismount(path) or is_listed_mount(path):
+        return "mounted"
+    return "free"
+
+
+def is_listed_mount(path: Path) -> bool:
+    target = os.path.realpath(path)
+    try:
+        with open("/proc/self/mounts") as mounts:
+            return any(line.split()[1] == target for line in mounts if len(line.split()) > 1)
+    except OSError:
+        return False
+
+
+def force_unmount(path: Path) -> None:
+    """Detaches a (stale) mount: fusermount3 -uz, falling back to umount -l."""
+    for command in (["fusermount3", "-u", "-z", str(path)], ["umount", "-l", str(path)]):
+        try:
+            if subprocess.run(command, capture_output=True, timeout=30).returncode == 0:
+                return
+        except (OSError, subprocess.TimeoutExpired):
+            continue

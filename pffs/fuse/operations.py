@@ -1,0 +1,483 @@
+"""The pyfuse3 Operations: thin async handlers over the namespace, the VFS and staging.
+
+Every handler goes through `fuse_errors`, so only FUSEError leaves it (anything else would end the mount).
+Work that may wait on the backend or the disk cache runs in worker threads (`trio.to_thread`, one limiter
+per resource); reads and lookups that the caches answer at once stay on the event loop, since a thread hop
+costs more than the read itself.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import itertools
+import json
+import logging
+import os
+import posixpath
+import stat
+from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import dataclass
+from typing import Any, ParamSpec, TypeVar
+
+import pyfuse3
+import trio
+
+from pffs.backends.backend import ObjectInfo
+from pffs.backends.retry import describe
+from pffs.fuse.options import MountOptions
+from pffs.vfs import OpenObject
+from pffs.vfs.inodes import ROOT_INODE, InodeTable
+from pffs.vfs.namespace import UNKNOWN, Namespace
+from pffs.vfs.staging import StagedFile
+
+log = logging.getLogger(__name__)
+P = ParamSpec("P")
+T = TypeVar("T")
+
+XATTR_PREFIX = "user.pffs."
+NOMINAL_CAPACITY = 1 << 50  # the backend has no size: report 1 PiB
+STATFS_BLOCK = 4096
+
+
+def fuse_errors(handler: Callable[P, Coroutine[Any, Any, T]]) -> Callable[P, Coroutine[Any, Any, T]]:
+    """Maps what a handler raises to an errno: FUSEError passes; OSError gives its errno (EIO if none);
+    NotImplementedError ENOSYS; anything else is a bug, logged with its traceback once, and EIO."""
+
+    @functools.wraps(handler)
+    async def wrapper(*args: P.args, **kwargs: P.kwargs) -> T:
+        try:
+            return await handler(*args, **kwargs)
+        except pyfuse3.FUSEError:
+            raise
+        except OSError as exc:
+            code = exc.errno if isinstance(exc.errno, int) and exc.errno > 0 else errno.EIO
+            if code in (errno.ENOENT, errno.EEXIST, errno.ENOTEMPTY, errno.ENODATA):
+                log.debug("%s: %s", handler.__name__, describe(exc))
+            else:
+                log.warning("%s: %s", handler.__name__, describe(exc))
+            raise pyfuse3.FUSEError(code) from None
+        except NotImplementedError:
+            raise pyfuse3.FUSEError(errno.ENOSYS) from None
+        except Exception as exc:
+            _log_bug_once(handler.__name__, exc)
+            raise pyfuse3.FUSEError(errno.EIO) from None
+
+    return wrapper
+
+
+_bugs_seen: set[tuple[str, type]] = set()
+
+
+def _log_bug_once(where: str, exc: Exception) -> None:
+    key = (where, type(exc))
+    if key in _bugs_seen:
+        log.error("%s failed: %s: %s", where, type(exc).__name__, exc)
+        return
+    _bugs_seen.add(key)
+    log.error("%s failed (a bug; traceback logged once)", where, exc_info=exc)
+
+
+@dataclass
+class FileHandle:
+    path: str
+    reader: OpenObject | None = None  # reading a stored version
+    staged: StagedFile | None = None  # writing, or reading a file being written
+
+
+class Operations(pyfuse3.Operations):
+    def __init__(self, namespace: Namespace, root: str, options: MountOptions) -> None:
+        super().__init__()
+        self.ns = namespace
+        self.vfs = namespace.vfs
+        self.staging = namespace.staging
+        self.options = options
+        self.inodes = InodeTable(root)
+        self.uid = options.uid if options.uid is not None else os.getuid()
+        self.gid = options.gid if options.gid is not None else os.getgid()
+        self.files: dict[int, FileHandle] = {}
+        self.dirs: dict[int, tuple[str, list[tuple[str, ObjectInfo]]]] = {}
+        self._handles = itertools.count(1)
+        self._opened_version: dict[int, str] = {}  # inode -> identity at its last open (keep_cache)
+        self._mtime_set: dict[str, int] = {}  # utimens on stored objects (S3 cannot store it)
+        self.backend_limiter = trio.CapacityLimiter(max(4, options.cache.fetch_workers))
+        self.read_limiter = trio.CapacityLimiter(max(8, options.cache.fetch_workers * 2))
+
+    async def _backend(self, fn: Callable[..., T], *args: Any) -> T:
+        return await trio.to_thread.run_sync(fn, *args, limiter=self.backend_limiter)
+
+    # Attributes
+
+    def attributes(self, inode: int, info: ObjectInfo) -> pyfuse3.EntryAttributes:
+        attr = pyfuse3.EntryAttributes()
+        attr.st_ino = inode
+        attr.generation = 1
+        attr.entry_timeout = self.options.attr_ttl
+        attr.attr_timeout = self.options.attr_ttl
+        if info.is_dir:
+            attr.st_mode = stat.S_IFDIR | self.options.dir_mode
+            attr.st_nlink = 2
+        else:
+            attr.st_mode = stat.S_IFREG | self.options.file_mode
+            attr.st_nlink = 1
+        attr.st_uid = self.uid
+        attr.st_gid = self.gid
+        attr.st_size = info.size
+        attr.st_blksize = 128 << 10  # what the kernel asks per read; `cp` sizes its buffer from it
+        attr.st_blocks = -(-info.size // 512)
+        mtime_ns = self._mtime_set.get(info.path) or int(info.mtime * 1e9)
+        attr.st_mtime_ns = attr.st_ctime_ns = attr.st_atime_ns = mtime_ns
+        return attr
+
+    def _negative(self) -> pyfuse3.EntryAttributes:
+        attr = pyfuse3.EntryAttributes()
+        attr.st_ino = 0  # "no such entry", cached by the kernel for entry_timeout
+        attr.entry_timeout = self.options.attr_ttl
+        return attr
+
+    async def _stat(self, path: str) -> ObjectInfo:
+        info = self.ns.stat_now(path)
+        if info is UNKNOWN:
+            return await self._backend(self.ns.stat, path)
+        assert isinstance(info, ObjectInfo)
+        return info
+
+    def _check_writable(self) -> None:
+        if self.options.read_only:
+            raise pyfuse3.FUSEError(errno.EROFS)
+
+    def _child(self, parent_inode: int, name: bytes) -> str:
+        return self.ns.join(self.inodes.path(parent_inode), os.fsdecode(name))
+
+    # Names
+
+    @fuse_errors
+    async def lookup(
+        self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext
+    ) -> pyfuse3.EntryAttributes:
+        parent = self.inodes.path(parent_inode)
+        text = os.fsdecode(name)
+        if text == ".":
+            return self.attributes(self.inodes.remember(parent), await self._stat(parent))
+        if text == "..":
+            above = parent if parent_inode == ROOT_INODE else posixpath.dirname(parent)
+            return self.attributes(self.inodes.remember(above), await self._stat(above))
+        info = self.ns.lookup_now(parent, text)
+        if info is UNKNOWN:
+            info = await self._backend(self.ns.lookup, parent, text)
+        if info is None:
+            return self._negative()
+        assert isinstance(info, ObjectInfo)
+        return self.attributes(self.inodes.remember(self.ns.join(parent, text)), info)
+
+    @fuse_errors
+    async def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
+        for inode, count in inode_list:
+            self.inodes.forget(inode, count)
+            self._opened_version.pop(inode, None)
+
+    @fuse_errors
+    async def getattr(self, inode: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        return self.attributes(inode, await self._stat(self.inodes.path(inode)))
+
+    @fuse_errors
+    async def setattr(
+        self,
+        inode: int,
+        attr: pyfuse3.EntryAttributes,
+        fields: pyfuse3.SetattrFields,
+        fh: int | None,
+        ctx: pyfuse3.RequestContext,
+    ) -> pyfuse3.EntryAttributes:
+        path = self.inodes.path(inode)
+        info = await self._stat(path)
+        if (fields.update_uid and attr.st_uid != self.uid) or (fields.update_gid and attr.st_gid != self.gid):
+            raise OSError(errno.EPERM, f"{path}: owners are set by the mount (--uid/--gid)")
+        if fields.update_mode:
+            shown = self.options.dir_mode if info.is_dir else self.options.file_mode
+            if stat.S_IMODE(attr.st_mode) != shown:
+                raise OSError(errno.EPERM, f"{path}: modes are set by the mount (--file-mode/--dir-mode)")
+        if fields.update_size:
+            self._check_writable()
+            await self._truncate(path, attr.st_size, self.files.get(fh) if fh is not None else None)
+        if fields.update_mtime:
+            staged = self.staging.get(path)
+            if staged is not None:
+                staged.mtime_ns = attr.st_mtime_ns
+            else:
+                self._mtime_set[path] = attr.st_mtime_ns
+        return self.attributes(inode, await self._stat(path))
+
+    async def _truncate(self, path: str, size: int, handle: FileHandle | None) -> None:
+        if handle is not None and handle.staged is not None:
+            handle.staged.truncate(size)
+            return
+        staged = await self._backend(self._open_staged, path, size == 0)
+        try:
+            staged.truncate(size)
+            await self._backend(self.staging.upload, staged)
+        finally:
+            await self._backend(self.staging.release, staged)
+        self.ns.forget(path)
+
+    def _open_staged(self, path: str, empty: bool) -> StagedFile:
+        """The staged copy of path: empty, or filled with the stored bytes (read through the cache)."""
+        if empty:
+            return self.staging.open(path, None)
+        info = self.ns.stat(path)
+
+        def fill(fd: int) -> None:
+            handle = self.vfs.open_version(info)
+            try:
+                offset, step = 0, self.vfs.settings.block_size
+                while offset < info.size:
+                    chunk = handle.read(offset, step)
+                    os.pwrite(fd, chunk, offset)
+                    offset += len(chunk)
+            finally:
+                handle.close()
+
+        return self.staging.open(path, fill if info.size else None)
+
+    # Directories
+
+    @fuse_errors
+    async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
+        path = self.inodes.path(inode)
+        children = self.ns.children_now(path)
+        if children is None:
+            children = await self._backend(self.ns.children, path)
+        fh = next(self._handles)
+        self.dirs[fh] = (path, sorted(children.items()))  # a snapshot: readdir resumes by position
+        return fh
+
+    @fuse_errors
+    async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
+        path, entries = self.dirs[fh]
+        for position in range(start_id, len(entries)):
+            name, info = entries[position]
+            child = self.ns.join(path, name)
+            attr = self.attributes(self.inodes.inode(child), info)
+            if not pyfuse3.readdir_reply(token, os.fsencode(name), attr, position + 1):
+                return
+            self.inodes.remember(child)  # readdirplus: an accepted entry counts as a lookup
+
+    @fuse_errors
+    async def releasedir(self, fh: int) -> None:
+        self.dirs.pop(fh, None)
+
+    @fuse_errors
+    async def mkdir(
+        self, parent_inode: int, name: bytes, mode: int, ctx: pyfuse3.RequestContext
+    ) -> pyfuse3.EntryAttributes:
+        self._check_writable()
+        path = self._child(parent_inode, name)
+        info = await self._backend(self.ns.mkdir, path)
+        return self.attributes(self.inodes.remember(path), info)
+
+    @fuse_errors
+    async def rmdir(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
+        self._check_writable()
+        path = self._child(parent_inode, name)
+        await self._backend(self.ns.rmdir, path)
+        self.inodes.detach(path)
+
+    @fuse_errors
+    async def unlink(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
+        self._check_writable()
+        path = self._child(parent_inode, name)
+        await self._backend(self.ns.unlink, path)
+        self.inodes.detach(path)
+        self._mtime_set.pop(path, None)
+
+    @fuse_errors
+    async def rename(
+        self,
+        parent_inode_old: int,
+        name_old: bytes,
+        parent_inode_new: int,
+        name_new: bytes,
+        flags: int,
+        ctx: pyfuse3.RequestContext,
+    ) -> None:
+        self._check_writable()
+        if flags & pyfuse3.RENAME_EXCHANGE:
+            raise OSError(errno.EINVAL, "RENAME_EXCHANGE is not supported (object stores cannot swap)")
+        old = self._child(parent_inode_old, name_old)
+        new = self._child(parent_inode_new, name_new)
+        replace = not flags & pyfuse3.RENAME_NOREPLACE
+        await trio.to_thread.run_sync(
+            functools.partial(self.ns.rename, old, new, replace=replace), limiter=self.backend_limiter
+        )
+        self.inodes.rename(old, new)
+
+    @fuse_errors
+    async def link(
+        self, inode: int, new_parent_inode: int, new_name: bytes, ctx: pyfuse3.RequestContext
+    ) -> pyfuse3.EntryAttributes:
+        raise OSError(errno.ENOTSUP, "hard links are not supported")
+
+    @fuse_errors
+    async def symlink(
+        self, parent_inode: int, name: bytes, target: bytes, ctx: pyfuse3.RequestContext
+    ) -> pyfuse3.EntryAttributes:
+        raise OSError(errno.ENOTSUP, "symbolic links are not supported")
+
+    @fuse_errors
+    async def mknod(
+        self, parent_inode: int, name: bytes, mode: int, rdev: int, ctx: pyfuse3.RequestContext
+    ) -> pyfuse3.EntryAttributes:
+        raise OSError(errno.ENOTSUP, "only regular files and directories are supported")
+
+    # Files
+
+    @fuse_errors
+    async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
+        path = self.inodes.path(inode)
+        fh = next(self._handles)
+        if flags & os.O_ACCMODE != os.O_RDONLY:
+            self._check_writable()
+            staged = await self._backend(self._open_staged, path, bool(flags & os.O_TRUNC))
+            self.files[fh] = FileHandle(path, staged=staged)
+            self._opened_version.pop(inode, None)
+            return pyfuse3.FileInfo(fh=fh, keep_cache=False)
+        if self.staging.get(path) is not None:  # being written here: read what was written
+            self.files[fh] = FileHandle(path, staged=self.staging.open(path))
+            return pyfuse3.FileInfo(fh=fh, keep_cache=False)
+        info = await self._stat(path)
+        self.files[fh] = FileHandle(path, reader=self.vfs.open_version(info))
+        # The kernel keeps its page cache of this file only while the stored version is unchanged.
+        keep = self._opened_version.get(inode) == info.identity
+        self._opened_version[inode] = info.identity
+        return pyfuse3.FileInfo(fh=fh, keep_cache=keep)
+
+    @fuse_errors
+    async def create(
+        self, parent_inode: int, name: bytes, mode: int, flags: int, ctx: pyfuse3.RequestContext
+    ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
+        self._check_writable()
+        path = self._child(parent_inode, name)
+        staged = await self._backend(self.staging.create, path)
+        self.ns.forget(path)
+        fh = next(self._handles)
+        self.files[fh] = FileHandle(path, staged=staged)
+        inode = self.inodes.remember(path)
+        return pyfuse3.FileInfo(fh=fh), self.attributes(inode, self.ns.stat(path))
+
+    @fuse_errors
+    async def read(self, fh: int, off: int, size: int) -> bytes:  # or any buffer: pyfuse3 takes views
+        handle = self.files[fh]
+        if handle.staged is not None:
+            return handle.staged.read(off, size)
+        assert handle.reader is not None
+        data = handle.reader.read_now(off, size)
+        if data is None:
+            data = await trio.to_thread.run_sync(
+                handle.reader.read_view, off, size, limiter=self.read_limiter
+            )
+        return data  # type: ignore[return-value]
+
+    @fuse_errors
+    async def write(self, fh: int, off: int, buf: bytes) -> int:
+        handle = self.files[fh]
+        if handle.staged is None:
+            raise OSError(errno.EBADF, "file not open for writing")
+        return handle.staged.write(off, buf)
+
+    @fuse_errors
+    async def flush(self, fh: int) -> None:
+        # close(2) of a written file returns after its upload, and reports an upload failure.
+        handle = self.files.get(fh)
+        if handle is not None and handle.staged is not None and handle.staged.dirty:
+            await self._backend(self.staging.upload, handle.staged)
+            self.ns.forget(handle.staged.path)
+
+    @fuse_errors
+    async def fsync(self, fh: int, datasync: bool) -> None:
+        await self.flush(fh)
+
+    @fuse_errors
+    async def release(self, fh: int) -> None:
+        handle = self.files.pop(fh, None)
+        if handle is None:
+            return
+        if handle.reader is not None:
+            handle.reader.close()
+        if handle.staged is not None:
+            await self._backend(self.staging.release, handle.staged)
+            self.ns.forget(handle.staged.path)
+
+    # The file system
+
+    @fuse_errors
+    async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
+        result = pyfuse3.StatvfsData()
+        result.f_bsize = result.f_frsize = STATFS_BLOCK
+        result.f_blocks = NOMINAL_CAPACITY // STATFS_BLOCK
+        # What can be written now: the staging area's disk (the cache disk), really.
+        disk = os.statvfs(self.staging.directory)
+        result.f_bfree = result.f_bavail = disk.f_bavail * disk.f_frsize // STATFS_BLOCK
+        result.f_files = result.f_ffree = result.f_favail = 1 << 32
+        result.f_namemax = 255 if self.vfs.backend.has_real_directories else 1024
+        return result
+
+    @fuse_errors
+    async def getxattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:
+        key = os.fsdecode(name)
+        if not key.startswith(XATTR_PREFIX):
+            raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
+        field = key[len(XATTR_PREFIX) :]
+        path = self.inodes.path(inode)
+        if inode == ROOT_INODE and field in ("stats", "pid"):
+            value = json.dumps(self.report()) if field == "stats" else str(os.getpid())
+            return value.encode()
+        info = await self._stat(path)
+        values = {"url": self.vfs.backend.url(path), "identity": info.identity}
+        if info.etag:
+            values["etag"] = info.etag.strip('"')
+        if not info.is_dir:
+            staged = self.staging.get(path)
+            fraction = (
+                1.0 if staged is not None else await self._backend(self.vfs.reader.cached_fraction, info)
+            )
+            values["cached"] = f"{fraction:.4f}"
+        if field not in values:
+            raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
+        return values[field].encode()
+
+    @fuse_errors
+    async def listxattr(self, inode: int, ctx: pyfuse3.RequestContext) -> list[bytes]:
+        info = await self._stat(self.inodes.path(inode))
+        names = ["url", "identity"]
+        if info.etag:
+            names.append("etag")
+        if not info.is_dir:
+            names.append("cached")
+        if inode == ROOT_INODE:
+            names += ["stats", "pid"]
+        return [(XATTR_PREFIX + n).encode() for n in names]
+
+    @fuse_errors
+    async def setxattr(self, inode: int, name: bytes, value: bytes, ctx: pyfuse3.RequestContext) -> None:
+        raise OSError(errno.ENOTSUP, "extended attributes cannot be set")
+
+    @fuse_errors
+    async def removexattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
+        raise OSError(errno.ENOTSUP, "extended attributes cannot be removed")
+
+    def report(self) -> dict[str, Any]:
+        """What `pffs stats MOUNTPOINT` and /metrics show."""
+        cache = self.vfs.cache
+        return {
+            "pid": os.getpid(),
+            "source": self.options.source,
+            "mountpoint": str(self.options.mountpoint),
+            "cache": cache.stats.snapshot(),
+            "cache_usage": cache.usage(),
+            "backend_requests": self.vfs.backend.requests.snapshot(),
+            "uploads_pending": len(self.staging.pending()),
+            "uploads_done": self.staging.uploads_done,
+            "upload_failures": self.staging.upload_failures,
+            "open_files": len(self.files),
+            "inodes": len(self.inodes),
+        }

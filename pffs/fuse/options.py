@@ -1,0 +1,48 @@
+"""Mount options, typed: one clear message for a bad value. Sent as JSON from `pffs mount` to the mount
+process it starts, so they hold no secret (credentials come from the environment or files)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Annotated, Any
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+
+from pffs.backends.options import BackendOptions
+from pffs.config import CacheSettings
+
+
+def _octal(value: Any) -> int:
+    if isinstance(value, int) and not isinstance(value, bool):
+        number = value
+    elif isinstance(value, str) and re.fullmatch(r"0?o?[0-7]{1,4}", value.strip()):
+        number = int(value.strip().removeprefix("0o").removeprefix("o") or "0", 8)
+    else:
+        raise ValueError(f"not an octal mode: {value!r} (e.g. 644 or 0755)")
+    if not 0 <= number <= 0o7777:
+        raise ValueError(f"mode out of range: {value!r}")
+    return number
+
+
+Mode = Annotated[int, BeforeValidator(_octal)]
+
+
+class MountOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    source: str = Field(description="backend URL or local path")
+    mountpoint: Path
+    cache: CacheSettings = Field(default_factory=CacheSettings)
+    backend: BackendOptions = Field(default_factory=BackendOptions)
+    attr_ttl: float = Field(1.0, ge=0, le=86400, description="seconds the kernel trusts attributes and names")
+    read_only: bool = False
+    allow_other: bool = False
+    uid: int | None = Field(None, ge=0, description="owner shown for every file (default: the mounting user)")
+    gid: int | None = Field(None, ge=0)
+    file_mode: Mode = 0o644
+    dir_mode: Mode = 0o755
+    metrics_port: int | None = Field(None, ge=1, le=65535)
+    metrics_address: str = "127.0.0.1"
+    log_file: Path | None = None
+    verbose: int = Field(0, ge=0, le=2)

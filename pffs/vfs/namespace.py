@@ -1,0 +1,239 @@
+"""What a mount shows: the backend's objects and directories, plus directories made here that hold no
+object yet (object stores have no empty directories) and files being written here (not uploaded yet).
+
+Lookups are answered from a cached listing of the parent when there is one (no request at all); else one
+HEAD; and once a directory has needed several HEADs within the metadata TTL, it is listed once (one LIST
+gives names, sizes and ETags of everything in it), which turns a walk over many files into a few LISTs.
+"""
+
+from __future__ import annotations
+
+import errno
+import posixpath
+import threading
+import time
+
+from pffs.backends.backend import ObjectInfo
+from pffs.vfs.staging import StagedFile, Staging
+from pffs.vfs.vfs import Vfs
+
+LIST_AFTER_HEADS = 8  # lookups that missed the listing cache in one directory before it is listed
+
+
+class Unknown:
+    """Not known without asking the backend (the `*_now` methods, which never wait)."""
+
+
+UNKNOWN = Unknown()
+
+
+def directory_info(path: str) -> ObjectInfo:
+    return ObjectInfo(path=path, size=0, is_dir=True, identity="dir")
+
+
+def staged_info(staged: StagedFile) -> ObjectInfo:
+    mtime_ns = staged.mtime_ns if staged.mtime_ns is not None else time.time_ns()
+    return ObjectInfo(
+        path=staged.path,
+        size=staged.size(),
+        is_dir=False,
+        identity=f"staged:{staged.data_path.name}",
+        mtime=mtime_ns / 1e9,
+    )
+
+
+class Namespace:
+    def __init__(self, vfs: Vfs, staging: Staging, negative_ttl_s: float) -> None:
+        self.vfs = vfs
+        self.staging = staging
+        self.negative_ttl_s = negative_ttl_s
+        self.new_dirs: set[str] = set()
+        self._lock = threading.Lock()
+        self._missing: dict[str, float] = {}  # path -> until when it is known not to exist
+        self._heads: dict[str, tuple[float, int]] = {}  # directory -> (window end, HEADs in it)
+        self._by_name: dict[str, tuple[list[ObjectInfo], dict[str, ObjectInfo]]] = {}
+
+    @staticmethod
+    def join(parent: str, name: str) -> str:
+        return posixpath.join(parent, name) if parent else name
+
+    # Reading the tree
+
+    def stat_now(self, path: str) -> ObjectInfo | Unknown:
+        staged = self.staging.get(path)
+        if staged is not None:
+            return staged_info(staged)
+        if path in self.new_dirs:
+            return directory_info(path)
+        return self.vfs.metadata.get(path) or UNKNOWN
+
+    def stat(self, path: str) -> ObjectInfo:
+        info = self.stat_now(path)
+        return self.vfs.stat(path) if isinstance(info, Unknown) else info
+
+    def lookup_now(self, parent: str, name: str) -> ObjectInfo | Unknown | None:
+        path = self.join(parent, name)
+        staged = self.staging.get(path)
+        if staged is not None:
+            return staged_info(staged)
+        if path in self.new_dirs:
+            return directory_info(path)
+        listed = self._listed_names(parent)
+        if listed is not None:
+            return listed.get(name)
+        if self._known_missing(path):
+            return None
+        return self.vfs.metadata.get(path) or UNKNOWN
+
+    def lookup(self, parent: str, name: str) -> ObjectInfo | None:
+        """The entry `name` in directory `parent`, or None if there is none."""
+        known = self.lookup_now(parent, name)
+        if not isinstance(known, Unknown):
+            return known
+        path = self.join(parent, name)
+        if self._count_head(parent):
+            return self.children(parent).get(name)
+        try:
+            return self.vfs.stat(path)
+        except FileNotFoundError:
+            self._remember_missing(path)
+            return None
+
+    def children_now(self, path: str) -> dict[str, ObjectInfo] | None:
+        entries = self.vfs.metadata.get_listing("dir", path)
+        return None if entries is None else self._with_local(path, self._names(path, entries))
+
+    def children(self, path: str) -> dict[str, ObjectInfo]:
+        """name -> entry of one directory: one LIST (cached for the metadata TTL), plus what was made here."""
+        return self._with_local(path, self._names(path, self.vfs.list_dir(path)))
+
+    def _with_local(self, path: str, names: dict[str, ObjectInfo]) -> dict[str, ObjectInfo]:
+        extra = {
+            posixpath.basename(p): directory_info(p) for p in self.new_dirs if posixpath.dirname(p) == path
+        }
+        for staged in self.staging.files():
+            if posixpath.dirname(staged.path) == path:
+                extra[posixpath.basename(staged.path)] = staged_info(staged)
+        if not extra:
+            return names
+        return {**names, **extra}
+
+    def _names(self, path: str, entries: list[ObjectInfo]) -> dict[str, ObjectInfo]:
+        """The listing as a name map, made once per listing (lookups in a 10,000-entry directory are O(1))."""
+        with self._lock:
+            made = self._by_name.get(path)
+            if made is not None and made[0] is entries:
+                return made[1]
+        names: dict[str, ObjectInfo] = {}
+        for info in entries:
+            name = posixpath.basename(info.path.rstrip("/"))
+            if info.path.rstrip("/") != path and name:
+                names.setdefault(name, info)
+        with self._lock:
+            self._by_name[path] = (entries, names)
+        return names
+
+    def _listed_names(self, parent: str) -> dict[str, ObjectInfo] | None:
+        entries = self.vfs.metadata.get_listing("dir", parent)
+        return None if entries is None else self._names(parent, entries)
+
+    def _count_head(self, parent: str) -> bool:
+        """Counts a HEAD in `parent`; True when it is time to list the directory instead."""
+        now = time.monotonic()
+        with self._lock:
+            until, count = self._heads.get(parent, (now + max(self.vfs.metadata.ttl_s, 1.0), 0))
+            if now >= until:
+                until, count = now + max(self.vfs.metadata.ttl_s, 1.0), 0
+            count += 1
+            self._heads[parent] = (until, count)
+            if len(self._heads) > 100_000:
+                self._heads.clear()
+        return count > LIST_AFTER_HEADS and self.vfs.metadata.ttl_s > 0
+
+    def _known_missing(self, path: str) -> bool:
+        with self._lock:
+            until = self._missing.get(path)
+        return until is not None and time.monotonic() < until
+
+    def _remember_missing(self, path: str) -> None:
+        if self.negative_ttl_s <= 0:
+            return
+        with self._lock:
+            if len(self._missing) > 100_000:
+                self._missing.clear()
+            self._missing[path] = time.monotonic() + self.negative_ttl_s
+
+    def forget(self, path: str) -> None:
+        """Drops everything known of `path` (and every listing) after a change made here."""
+        with self._lock:
+            self._missing.pop(path, None)
+            self._by_name.clear()
+        self.vfs.invalidate(path)
+
+    # Changing the tree
+
+    def mkdir(self, path: str) -> ObjectInfo:
+        if self.lookup(posixpath.dirname(path), posixpath.basename(path)) is not None:
+            raise FileExistsError(errno.EEXIST, f"{self.vfs.backend.url(path)} exists")
+        self.vfs.backend.make_dir(path)
+        if not self.vfs.backend.has_real_directories:
+            self.new_dirs.add(path)
+        self.forget(path)
+        return directory_info(path)
+
+    def rmdir(self, path: str) -> None:
+        self.forget(path)
+        if self.children(path):
+            raise OSError(errno.ENOTEMPTY, f"{self.vfs.backend.url(path)} is not empty")
+        if path in self.new_dirs:
+            self.new_dirs.discard(path)
+        self.vfs.backend.remove_dir(path)
+        self.forget(path)
+
+    def unlink(self, path: str) -> None:
+        was_staged = self.staging.get(path) is not None
+        self.staging.remove(path)
+        try:
+            self.vfs.backend.remove(path)
+        except FileNotFoundError:
+            if not was_staged:
+                raise
+        self.forget(path)
+        self._remember_missing(path)
+
+    def rename(self, old: str, new: str, *, replace: bool = True) -> None:
+        """Files: a backend rename (S3: copy then delete, not atomic). Directories: where the backend has
+        real ones, or made here and still empty; else EXDEV, so `mv` copies and deletes file by file."""
+        info = self.stat(old)
+        target = self.lookup(posixpath.dirname(new), posixpath.basename(new))
+        if target is not None and not replace:
+            raise FileExistsError(errno.EEXIST, f"{self.vfs.backend.url(new)} exists")
+        if info.is_dir:
+            self._rename_dir(old, new, target)
+        else:
+            if target is not None and target.is_dir:
+                raise IsADirectoryError(errno.EISDIR, f"{self.vfs.backend.url(new)} is a directory")
+            staged = self.staging.get(old)
+            if staged is not None:
+                self.staging.upload(staged)  # the move below then carries the written bytes
+                self.staging.rename(old, new)
+            self.vfs.backend.move(old, new)
+        self.forget(old)
+        self.forget(new)
+        self._remember_missing(old)
+
+    def _rename_dir(self, old: str, new: str, target: ObjectInfo | None) -> None:
+        if target is not None and (not target.is_dir or self.children(new)):
+            raise OSError(errno.ENOTEMPTY, f"{self.vfs.backend.url(new)} exists and is not empty")
+        if self.vfs.backend.has_real_directories:
+            self.vfs.backend.move(old, new)
+            return
+        if old in self.new_dirs and not self.children(old):
+            self.new_dirs.discard(old)
+            self.new_dirs.add(new)
+            return
+        raise OSError(
+            errno.EXDEV,
+            f"{self.vfs.backend.url(old)}: renaming a directory that holds objects is not supported on an "
+            "object store (it would copy every object); mv falls back to copying file by file",
+        )

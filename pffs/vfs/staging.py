@@ -1,0 +1,226 @@
+"""Write-back staging: files being written live on local disk and are uploaded when closed or fsync'ed.
+
+The upload is what makes a file visible to others. A failed upload is an error for close/fsync, and the
+staged file stays (with a sidecar naming its URL) to be uploaded again on the next fsync, close or unmount:
+nothing written is dropped silently. Files left by a process that died are reported at the next mount.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+from pffs.backends.backend import Backend
+from pffs.backends.retry import describe
+
+log = logging.getLogger(__name__)
+
+
+class StagedFile:
+    """The local copy of one file being written. Shared by every handle open on the path."""
+
+    def __init__(self, path: str, url: str, data_path: Path) -> None:
+        self.path = path
+        self.url = url
+        self.data_path = data_path
+        self.fd = os.open(data_path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        self.lock = threading.Lock()
+        self.opens = 0
+        # Writes bump `generation`; an upload records the generation it carried, so a write that lands
+        # during an upload leaves the file dirty (uploaded again) instead of being lost.
+        self.generation = 0
+        self.uploaded_generation = 0
+        self.removed = False  # unlinked while open: never uploaded
+        self.mtime_ns: int | None = None
+
+    @property
+    def dirty(self) -> bool:
+        return self.generation != self.uploaded_generation and not self.removed
+
+    @property
+    def sidecar(self) -> Path:
+        return self.data_path.with_suffix(".json")
+
+    def size(self) -> int:
+        return os.fstat(self.fd).st_size
+
+    def read(self, offset: int, length: int) -> bytes:
+        return os.pread(self.fd, length, offset)
+
+    def write(self, offset: int, data: bytes) -> int:
+        self._record_intent()
+        written = os.pwrite(self.fd, data, offset)
+        self.generation += 1  # after the bytes are in the file: an upload that saw them may clear it
+        return written
+
+    def truncate(self, size: int) -> None:
+        self._record_intent()
+        os.ftruncate(self.fd, size)
+        self.generation += 1
+
+    def _record_intent(self) -> None:
+        if not self.dirty:
+            # Written once per dirty period, so the data can be found again if this process dies.
+            self.sidecar.write_text(json.dumps({"url": self.url, "path": self.path, "pid": os.getpid()}))
+
+    def discard(self) -> None:
+        os.close(self.fd)
+        for leftover in (self.data_path, self.sidecar):
+            leftover.unlink(missing_ok=True)
+
+
+class Staging:
+    def __init__(
+        self,
+        directory: Path,
+        backend: Backend,
+        on_uploaded: Callable[[str], None] = lambda path: None,
+    ) -> None:
+        self.directory = directory
+        self.backend = backend
+        self.on_uploaded = on_uploaded
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._files: dict[str, StagedFile] = {}
+        self._lock = threading.Lock()
+        self.uploads_done = 0
+        self.upload_failures = 0
+
+    def leftovers(self) -> list[dict[str, str]]:
+        """Staged files of earlier processes that were never uploaded: [{url, path, data}]."""
+        found = []
+        for sidecar in sorted(self.directory.glob("*.json")):
+            data = sidecar.with_suffix(".data")
+            if not data.exists():
+                continue
+            try:
+                meta = json.loads(sidecar.read_text())
+            except (OSError, ValueError):
+                continue
+            if not _alive(meta.get("pid")):
+                found.append({"url": str(meta.get("url")), "path": str(meta.get("path")), "data": str(data)})
+        return found
+
+    def get(self, path: str) -> StagedFile | None:
+        return self._files.get(path)
+
+    def open(self, path: str, fill: Callable[[int], None] | None = None) -> StagedFile:
+        """The staged file of `path` with one more handle on it; a new one is filled by `fill(fd)`
+        (the object's current bytes) or left empty (O_TRUNC, a new file)."""
+        with self._lock:
+            staged = self._files.get(path)
+            if staged is None:
+                data_path = self.directory / f"{uuid.uuid4().hex}.data"
+                staged = StagedFile(path, self.backend.url(path), data_path)
+                try:
+                    if fill is not None:
+                        fill(staged.fd)
+                except BaseException:
+                    staged.discard()
+                    raise
+                self._files[path] = staged
+            staged.opens += 1
+            return staged
+
+    def create(self, path: str) -> StagedFile:
+        """A new, empty file that exists (and is uploaded) even if nothing is written to it."""
+        staged = self.open(path)
+        with staged.lock:
+            staged.truncate(0)
+        return staged
+
+    def upload(self, staged: StagedFile) -> None:
+        """Uploads the file if it changed since its last upload. OSError(EIO) names the URL, the cause
+        and where the data is kept."""
+        with staged.lock:
+            if not staged.dirty:
+                return
+            carried = staged.generation
+            try:
+                self.backend.upload(str(staged.data_path), staged.path)
+            except Exception as exc:
+                self.upload_failures += 1
+                log.error(
+                    "upload of %s failed (%s); its data is kept in %s and is uploaded again on the next "
+                    "fsync, close or unmount",
+                    staged.url,
+                    describe(exc),
+                    staged.data_path,
+                )
+                raise OSError(5, f"{staged.url}: upload failed: {describe(exc)}") from exc
+            staged.uploaded_generation = carried
+            if not staged.dirty:
+                staged.sidecar.unlink(missing_ok=True)
+            self.uploads_done += 1
+        self.on_uploaded(staged.path)
+
+    def release(self, staged: StagedFile) -> None:
+        """One handle closed. The last one uploads what is left and drops the local copy once uploaded."""
+        with self._lock:
+            staged.opens -= 1
+            if staged.opens > 0:
+                return
+        try:
+            self.upload(staged)
+        except OSError:
+            return  # kept, still served to readers, retried on unmount
+        with self._lock:
+            if staged.opens == 0 and not staged.dirty:
+                if self._files.get(staged.path) is staged:
+                    del self._files[staged.path]
+                staged.discard()
+
+    def remove(self, path: str) -> None:
+        """The path was unlinked: its staged data is never uploaded."""
+        with self._lock:
+            staged = self._files.pop(path, None)
+        if staged is not None:
+            with staged.lock:
+                staged.removed = True
+                staged.sidecar.unlink(missing_ok=True)
+            if staged.opens == 0:
+                staged.discard()
+
+    def files(self) -> list[StagedFile]:
+        with self._lock:
+            return list(self._files.values())
+
+    def rename(self, old: str, new: str) -> None:
+        """The file was moved (after its upload): handles still open on it now write to the new path."""
+        with self._lock:
+            staged = self._files.pop(old, None)
+            if staged is not None:
+                staged.path = new
+                staged.url = self.backend.url(new)
+                self._files[new] = staged
+
+    def pending(self) -> list[StagedFile]:
+        """Files written and not uploaded yet."""
+        with self._lock:
+            return [s for s in self._files.values() if s.dirty]
+
+    def upload_all(self) -> list[str]:
+        """Uploads everything pending (at unmount); returns the URLs that failed."""
+        failed = []
+        for staged in self.pending():
+            try:
+                self.upload(staged)
+            except OSError:
+                failed.append(staged.url)
+        return failed
+
+
+def _alive(pid: object) -> bool:
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
