@@ -83,6 +83,7 @@ class FileHandle:
     path: str
     reader: OpenObject | None = None  # reading a stored version
     staged: StagedFile | None = None  # writing, or reading a file being written
+    writable: bool = False
 
 
 class Operations(pyfuse3.Operations):
@@ -338,7 +339,7 @@ class Operations(pyfuse3.Operations):
         if flags & os.O_ACCMODE != os.O_RDONLY:
             self._check_writable()
             staged = await self._backend(self._open_staged, path, bool(flags & os.O_TRUNC))
-            self.files[fh] = FileHandle(path, staged=staged)
+            self.files[fh] = FileHandle(path, staged=staged, writable=True)
             self._opened_version.pop(inode, None)
             return pyfuse3.FileInfo(fh=fh, keep_cache=False)
         if self.staging.get(path) is not None:  # being written here: read what was written
@@ -360,7 +361,7 @@ class Operations(pyfuse3.Operations):
         staged = await self._backend(self.staging.create, path)
         self.ns.forget(path)
         fh = next(self._handles)
-        self.files[fh] = FileHandle(path, staged=staged)
+        self.files[fh] = FileHandle(path, staged=staged, writable=True)
         inode = self.inodes.remember(path)
         return pyfuse3.FileInfo(fh=fh), self.attributes(inode, self.ns.stat(path))
 
@@ -380,7 +381,7 @@ class Operations(pyfuse3.Operations):
     @fuse_errors
     async def write(self, fh: int, off: int, buf: bytes) -> int:
         handle = self.files[fh]
-        if handle.staged is None:
+        if handle.staged is None or not handle.writable:
             raise OSError(errno.EBADF, "file not open for writing")
         return handle.staged.write(off, buf)
 
@@ -388,7 +389,7 @@ class Operations(pyfuse3.Operations):
     async def flush(self, fh: int) -> None:
         # close(2) of a written file returns after its upload, and reports an upload failure.
         handle = self.files.get(fh)
-        if handle is not None and handle.staged is not None and handle.staged.dirty:
+        if handle is not None and handle.writable and handle.staged is not None and handle.staged.dirty:
             await self._backend(self.staging.upload, handle.staged)
             self.ns.forget(handle.staged.path)
 

@@ -118,7 +118,8 @@ class SeaweedS3:
             )
         )
         config.chmod(0o600)
-        self.ports = dict(zip(PORT_FLAGS, free_ports(len(PORT_FLAGS)), strict=True))
+        if not self.ports:  # a restart keeps its ports, so clients of the old server reach the new one
+            self.ports = dict(zip(PORT_FLAGS, free_ports(len(PORT_FLAGS)), strict=True))
         args = [
             weed,
             "mini",

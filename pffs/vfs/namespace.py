@@ -105,7 +105,13 @@ class Namespace:
 
     def children(self, path: str) -> dict[str, ObjectInfo]:
         """name -> entry of one directory: one LIST (cached for the metadata TTL), plus what was made here."""
-        return self._with_local(path, self._names(path, self.vfs.list_dir(path)))
+        try:
+            entries = self.vfs.list_dir(path)
+        except FileNotFoundError:
+            if path not in self.new_dirs:
+                raise
+            entries = []  # made here, nothing written under it yet
+        return self._with_local(path, self._names(path, entries))
 
     def _with_local(self, path: str, names: dict[str, ObjectInfo]) -> dict[str, ObjectInfo]:
         extra = {

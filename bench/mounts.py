@@ -1,0 +1,1219 @@
+"""Benchmark of the pffs FUSE mount against rclone, s3fs-fuse and JuiceFS, all over one local SeaweedFS.
+
+    .venv/bin/python bench/mounts.py                                       # 1 GiB file, 2000 x 128 KiB files
+    .venv/bin/python bench/mounts.py --large-size 256M --small-count 500   # quick run
+    .venv/bin/python bench/mounts.py --only pffs,rclone --repeats 3        # some clients, median of 3
+
+Run as root (the page cache is dropped between phases, /dev/fuse is needed). One SeaweedFS S3 server
+holds the dataset under s3://bench-data/ds/: one large file (large.bin, --large-size), --small-count small
+files (small/NNNNN.bin, --small-size) and 200 probe files (probe/NNNNN.bin, same size). Each client mounts
+that prefix:
+
+    pffs      pffs mount s3://bench-data/ds MNT --cache-dir DIR --cache-size 8G --memory-cache-size 512M
+              --attr-ttl 1 --dir-ttl 60
+    rclone    rclone mount (S3 remote from RCLONE_CONFIG_BENCH_* env vars, provider Other)
+              --vfs-cache-mode full --cache-dir DIR --vfs-cache-max-size 8G
+    s3fs      s3fs bench-data:/ds MNT -f -o url=..,use_path_request_style,passwd_file=..,use_cache=DIR
+    juicefs   juicefs mount sqlite3://jfs.db MNT --cache-dir DIR --cache-size 8192 (a volume formatted on
+              s3://jfsbucket of the same server; JuiceFS keeps data in its own format, so the same bytes
+              are first written into it through a mount of its own, with another cache directory)
+
+Every client starts from an empty cache directory. Before every phase the page cache (and dentries and
+inodes) is dropped, then the server's data files are read back into the page cache, so the server serves
+from RAM: "cold" means "the client's cache is cold". Every phase's reads run in a subprocess; every byte
+read is checked against its sha256 after the clock stops. Per client, in order:
+
+    mount (empty cache)
+      first_read   open + read 4 KiB of each of the 200 never-read probe files, one at a time, by path
+                   (no listing first): latency of each open+read, p50 and p99 in ms
+      large_cold   the large file read sequentially (4 MiB reads), MB/s (10^6 B/s)
+      small_cold   the small files read whole by 8 threads in a shuffled order, files/s (one directory
+                   listing before, outside the clock)
+    unmount, mount again with the same cache directory (the client's memory is cold, its disk cache warm)
+      large_warm   the large file again: warm_disk (from the client's disk cache; page cache dropped),
+                   then warm_again (a second read right after, page cache kept)
+      small_warm   the small files again, 8 threads, another shuffled order: files/s
+      stat         os.stat of every small file, one at a time, no listing first (dentries dropped; the
+                   client's own metadata cache is whatever it kept): stats/s
+    unmount, mount again with the same cache directory
+      random_warm  1,000 preads of 128 KiB at random 4 KiB-aligned offsets of the large file, one at a
+                   time: reads/s, and p50/p99 latency in ms
+
+Ceilings, measured in the same run: ceiling_local_disk (the large file's bytes from a local file, page
+cache dropped, 4 MiB reads) and ceiling_ranged_gets (8 parallel 8 MiB ranged GETs of the large object,
+straight from the server with s3fs, as bench/sdk.py does).
+
+For pffs, each figure is compared with the best peer (rclone, s3fs, JuiceFS) on it; the targets are
+first-read p50 <= 1x the best peer's; large cold >= 2x the best peer and >= 0.8x ceiling_ranged_gets;
+large warm_disk and warm_again >= 1x; small cold >= 2x; small warm >= 1.5x; random reads >= 1.5x;
+stat >= 1x. Each phase runs once by default; --repeats N runs the whole sequence N times (a fresh cache
+each time) and reports medians.
+
+Per phase, the JSON also keeps the CPU seconds of the mount's processes, the loopback bytes received (an
+indicator of how much came from the server: about twice the bytes read, as SeaweedFS's gateway itself
+talks to its volume server over loopback) and, for pffs and JuiceFS, their cache counters.
+
+Exit code 1 if a read did not match its sha256 or a phase failed; a missed target is reported, exit 0.
+Writes bench/results/mounts.json and bench/results/mounts.png (--out-dir), and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import importlib
+import json
+import math
+import os
+import random
+import shlex
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sdk: Any = importlib.import_module("sdk")  # bench/sdk.py: the shared helpers, used unchanged
+
+MB = sdk.MB
+CHUNK = sdk.CHUNK  # 4 MiB sequential reads
+RANGE = sdk.RANGE
+PARALLEL_GETS = sdk.PARALLEL_GETS
+SEED = sdk.SEED
+MALLOC_ENV = sdk.MALLOC_ENV
+THREADS = 8
+BUCKET = "bench-data"
+PREFIX = "ds"
+JFS_BUCKET = "jfsbucket"
+LARGE_NAME = "large.bin"
+SMALL_DIR = "small"
+PROBE_DIR = "probe"
+PROBE_COUNT = 200
+PROBE_READ = 4096
+RANDOM_READS = 1000
+RANDOM_SIZE = 128 << 10
+CLIENTS = ("pffs", "rclone", "s3fs", "juicefs")
+PEERS = ("rclone", "s3fs", "juicefs")
+CACHE_SIZE = "8G"
+PFFS_OPTIONS = f"--cache-size {CACHE_SIZE} --memory-cache-size 512M --attr-ttl 1 --dir-ttl 60".split()
+PHASE_TIMEOUT_S = 300.0
+MOUNT_TIMEOUT_S = 90.0
+RESULT_MARKER = "BENCH_RESULT "
+BIN = Path(sys.executable).parent
+Result = dict[str, Any]
+
+# figure -> (label, unit, which way is better)
+FIGURES: dict[str, tuple[str, str, str]] = {
+    "first_read_p50_ms": ("first read p50 (open+4KiB)", "ms", "lower"),
+    "first_read_p99_ms": ("first read p99 (open+4KiB)", "ms", "lower"),
+    "large_cold_mb_s": ("large cold", "MB/s", "higher"),
+    "large_warm_disk_mb_s": ("large warm_disk (remount)", "MB/s", "higher"),
+    "large_warm_again_mb_s": ("large warm_again", "MB/s", "higher"),
+    "small_cold_files_s": ("small cold, 8 threads", "files/s", "higher"),
+    "small_warm_files_s": ("small warm (remount), 8 thr", "files/s", "higher"),
+    "random_warm_ops_s": ("random 128KiB preads warm", "reads/s", "higher"),
+    "random_warm_p50_ms": ("random pread p50", "ms", "lower"),
+    "random_warm_p99_ms": ("random pread p99", "ms", "lower"),
+    "stat_per_s": ("stat (dentries dropped)", "stats/s", "higher"),
+}
+CEILINGS = {
+    "ceiling_ranged_gets_mb_s": f"ceiling: {PARALLEL_GETS}x{RANGE >> 20}MiB ranged GETs",
+    "ceiling_local_disk_mb_s": "ceiling: local disk, 4MiB reads",
+}
+# (figure, threshold, "best_peer" or a ceiling figure); latencies must be <= threshold x, the rest >=.
+TARGETS = (
+    ("first_read_p50_ms", 1.0, "best_peer"),
+    ("large_cold_mb_s", 2.0, "best_peer"),
+    ("large_cold_mb_s", 0.8, "ceiling_ranged_gets_mb_s"),
+    ("large_warm_disk_mb_s", 1.0, "best_peer"),
+    ("large_warm_again_mb_s", 1.0, "best_peer"),
+    ("small_cold_files_s", 2.0, "best_peer"),
+    ("small_warm_files_s", 1.5, "best_peer"),
+    ("random_warm_ops_s", 1.5, "best_peer"),
+    ("stat_per_s", 1.0, "best_peer"),
+)
+
+
+def log(message: str) -> None:
+    print(f"[mounts {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+class PhaseFailed(RuntimeError):
+    pass
+
+
+@dataclass
+class Spec:
+    """What every phase subprocess needs: the server, and what the data must hash to."""
+
+    endpoint_url: str
+    key: str
+    secret: str
+    large_size: int
+    large_sha256: str
+    local_large: str  # the same bytes as the large file, in a local file (disk ceiling, random reads)
+    small_size: int
+    small: dict[str, str]  # "00000.bin" -> sha256 of the whole file
+    probe: dict[str, str]  # "00000.bin" -> sha256 of its first PROBE_READ bytes
+
+    @classmethod
+    def load(cls, path: str) -> Spec:
+        return cls(**json.loads(Path(path).read_text()))
+
+
+# -- reading (phase subprocess side) ------------------------------------------------------------------------
+def touched_buffer(size: int) -> bytearray:
+    """A buffer whose every page is touched before the clock starts: reads into it cost no page faults."""
+    buf = bytearray(size)
+    buf[::4096] = b"\1" * len(range(0, size, 4096))
+    return buf
+
+
+def cpu_now() -> tuple[float, float]:
+    t = os.times()
+    return t.user, t.system
+
+
+def cpu_since(start: tuple[float, float]) -> Result:
+    user, system = cpu_now()
+    return {
+        "cpu_seconds": round(user - start[0] + system - start[1], 3),
+        "sys_seconds": round(system - start[1], 3),
+    }
+
+
+def read_whole(path: str, view: memoryview) -> tuple[int, bool]:
+    """Reads path into view, in CHUNK reads; (bytes read, whether the file ended exactly there)."""
+    filled = 0
+    with open(path, "rb", buffering=0) as f:
+        while filled < len(view):
+            n = f.readinto(view[filled : filled + CHUNK])
+            if not n:
+                return filled, True
+            filled += n
+        return filled, f.read(1) == b""
+
+
+def sequential(path: str, buf: bytearray, size: int, expect: str) -> Result:
+    view = memoryview(buf)[:size]
+    cpu, wall = cpu_now(), time.perf_counter()
+    got, at_end = read_whole(path, view)
+    wall = time.perf_counter() - wall
+    out = cpu_since(cpu)
+    verified = got == size and at_end and hashlib.sha256(view).hexdigest() == expect
+    return {
+        "bytes": got,
+        "seconds": round(wall, 4),
+        "mb_per_s": round(got / MB / wall, 1),
+        **out,
+        "ok": verified,
+    }
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
+
+
+def phase_first_read(spec: Spec, root: str) -> Result:
+    latencies, ok = [], True
+    cpu = cpu_now()
+    for name in sorted(spec.probe):
+        path = os.path.join(root, PROBE_DIR, name)
+        start = time.perf_counter()
+        fd = os.open(path, os.O_RDONLY)
+        data = os.read(fd, PROBE_READ)
+        latencies.append(time.perf_counter() - start)
+        os.close(fd)
+        ok = ok and hashlib.sha256(data).hexdigest() == spec.probe[name]
+    ms = [s * 1000 for s in latencies]
+    return {
+        "figures": {
+            "first_read_p50_ms": round(statistics.median(ms), 3),
+            "first_read_p99_ms": round(percentile(ms, 0.99), 3),
+        },
+        "details": {
+            "files": len(ms),
+            "mean_ms": round(statistics.fmean(ms), 3),
+            "max_ms": round(max(ms), 3),
+            "first_ms": round(ms[0], 3),
+            "seconds": round(sum(latencies), 4),
+            **cpu_since(cpu),
+        },
+        "verified": ok and len(ms) == len(spec.probe),
+    }
+
+
+def phase_large(spec: Spec, root: str, variants: tuple[str, ...]) -> Result:
+    buf = touched_buffer(spec.large_size)
+    path = os.path.join(root, LARGE_NAME)
+    runs = {v: sequential(path, buf, spec.large_size, spec.large_sha256) for v in variants}
+    return {
+        "figures": {f"large_{v}_mb_s": r["mb_per_s"] for v, r in runs.items()},
+        "details": runs,
+        "verified": all(r["ok"] for r in runs.values()),
+    }
+
+
+def phase_ceiling_local_disk(spec: Spec, root: str) -> Result:
+    buf = touched_buffer(spec.large_size)
+    run = sequential(spec.local_large, buf, spec.large_size, spec.large_sha256)
+    return {"figures": {"ceiling_local_disk_mb_s": run["mb_per_s"]}, "details": run, "verified": run["ok"]}
+
+
+def phase_ceiling_ranged_gets(spec: Spec, root: str) -> Result:
+    import s3fs
+    from fsspec.asyn import sync
+
+    sdk.prefault(2 * spec.large_size)
+    fs = s3fs.S3FileSystem(
+        key=spec.key,
+        secret=spec.secret,
+        client_kwargs={"endpoint_url": spec.endpoint_url},
+        skip_instance_cache=True,
+    )
+    fs.ls(BUCKET)  # a connected session, outside the clock
+    key = f"{BUCKET}/{PREFIX}/{LARGE_NAME}"
+    cpu, wall = cpu_now(), time.perf_counter()
+    parts = sync(fs.loop, sdk.parallel_ranged_gets, fs, key, spec.large_size)
+    wall = time.perf_counter() - wall
+    out = cpu_since(cpu)
+    digest, total = sdk.sha256_of(parts)
+    run = {"bytes": total, "seconds": round(wall, 4), "mb_per_s": round(total / MB / wall, 1), **out}
+    ok = total == spec.large_size and digest == spec.large_sha256
+    return {"figures": {"ceiling_ranged_gets_mb_s": run["mb_per_s"]}, "details": run, "verified": ok}
+
+
+def phase_small(spec: Spec, root: str, variant: str) -> Result:
+    names = sorted(spec.small)
+    size = spec.small_size
+    buf = touched_buffer(size * len(names))
+    view = memoryview(buf)
+    directory = os.path.join(root, SMALL_DIR)
+    start = time.perf_counter()
+    listed = sorted(os.listdir(directory))
+    list_seconds = time.perf_counter() - start
+    order = list(range(len(names)))
+    random.Random(f"{SEED}-{variant}").shuffle(order)
+
+    def read(i: int) -> tuple[int, bool]:
+        return read_whole(os.path.join(directory, names[i]), view[i * size : (i + 1) * size])
+
+    with ThreadPoolExecutor(THREADS) as pool:
+        cpu, wall = cpu_now(), time.perf_counter()
+        got = list(pool.map(read, order))
+        wall = time.perf_counter() - wall
+        out = cpu_since(cpu)
+    verified = listed == names and all(n == size and end for n, end in got)
+    verified = verified and all(
+        hashlib.sha256(view[i * size : (i + 1) * size]).hexdigest() == spec.small[name]
+        for i, name in enumerate(names)
+    )
+    total = sum(n for n, _ in got)
+    return {
+        "figures": {f"small_{variant}_files_s": round(len(names) / wall, 1)},
+        "details": {
+            "files": len(names),
+            "threads": THREADS,
+            "bytes": total,
+            "seconds": round(wall, 4),
+            "mb_per_s": round(total / MB / wall, 1),
+            "list_seconds": round(list_seconds, 4),
+            **out,
+        },
+        "verified": verified,
+    }
+
+
+def phase_stat(spec: Spec, root: str) -> Result:
+    paths = [os.path.join(root, SMALL_DIR, name) for name in sorted(spec.small)]
+    cpu, wall = cpu_now(), time.perf_counter()
+    sizes = [os.stat(p).st_size for p in paths]
+    wall = time.perf_counter() - wall
+    out = cpu_since(cpu)
+    return {
+        "figures": {"stat_per_s": round(len(paths) / wall, 1)},
+        "details": {"files": len(paths), "seconds": round(wall, 4), **out},
+        "verified": all(s == spec.small_size for s in sizes),
+    }
+
+
+def phase_random(spec: Spec, root: str) -> Result:
+    rng = random.Random(SEED)
+    blocks = (spec.large_size - RANDOM_SIZE) // 4096
+    offsets = [rng.randint(0, blocks) * 4096 for _ in range(RANDOM_READS)]
+    buf = touched_buffer(RANDOM_SIZE * RANDOM_READS)
+    view = memoryview(buf)
+    latencies, sizes = [], []
+    fd = os.open(os.path.join(root, LARGE_NAME), os.O_RDONLY)
+    try:
+        cpu = cpu_now()
+        for i, offset in enumerate(offsets):
+            start = time.perf_counter()
+            sizes.append(os.preadv(fd, [view[i * RANDOM_SIZE : (i + 1) * RANDOM_SIZE]], offset))
+            latencies.append(time.perf_counter() - start)
+        out = cpu_since(cpu)
+    finally:
+        os.close(fd)
+    # After the clock: the same ranges of the local copy must hash the same.
+    with open(spec.local_large, "rb") as local:
+        verified = all(
+            n == RANDOM_SIZE
+            and hashlib.sha256(view[i * RANDOM_SIZE : (i + 1) * RANDOM_SIZE]).digest()
+            == hashlib.sha256(os.pread(local.fileno(), RANDOM_SIZE, offset)).digest()
+            for i, (n, offset) in enumerate(zip(sizes, offsets, strict=True))
+        )
+    wall = sum(latencies)
+    ms = [s * 1000 for s in latencies]
+    return {
+        "figures": {
+            "random_warm_ops_s": round(len(ms) / wall, 1),
+            "random_warm_p50_ms": round(statistics.median(ms), 3),
+            "random_warm_p99_ms": round(percentile(ms, 0.99), 3),
+        },
+        "details": {
+            "reads": len(ms),
+            "read_size": RANDOM_SIZE,
+            "seconds": round(wall, 4),
+            "mb_per_s": round(sum(sizes) / MB / wall, 1),
+            **out,
+        },
+        "verified": verified,
+    }
+
+
+PHASES: dict[str, Callable[[Spec, str], Result]] = {
+    "first_read": phase_first_read,
+    "large_cold": lambda spec, root: phase_large(spec, root, ("cold",)),
+    "small_cold": lambda spec, root: phase_small(spec, root, "cold"),
+    "large_warm": lambda spec, root: phase_large(spec, root, ("warm_disk", "warm_again")),
+    "small_warm": lambda spec, root: phase_small(spec, root, "warm"),
+    "stat": phase_stat,
+    "random_warm": phase_random,
+    "ceiling_local_disk": phase_ceiling_local_disk,
+    "ceiling_ranged_gets": phase_ceiling_ranged_gets,
+}
+
+
+def run_phase_here(name: str, spec_path: str, root: str) -> int:
+    """Subprocess side: one phase, its result as one JSON line on stdout."""
+    result = PHASES[name](Spec.load(spec_path), root)
+    print(RESULT_MARKER + json.dumps(result), flush=True)
+    return 0
+
+
+# -- mounts (parent side) -----------------------------------------------------------------------------------
+def mount_entry(path: Path) -> list[str] | None:
+    """The /proc/self/mountinfo fields of what is mounted at path (the last one), if anything."""
+    target, found = str(path), None
+    with open("/proc/self/mountinfo") as mounts:
+        for line in mounts:
+            fields = line.split()
+            if fields[4] == target:
+                found = fields
+    return found
+
+
+def force_unmount(path: Path) -> None:
+    """Last resort: abort the FUSE connection (if fusectl is mounted) and detach the mount lazily."""
+    entry = mount_entry(path)
+    if entry is None:
+        return
+    abort = Path(f"/sys/fs/fuse/connections/{entry[2].split(':')[1]}/abort")
+    if abort.exists():
+        with contextlib.suppress(OSError):
+            abort.write_text("1")
+    for cmd in (["fusermount3", "-uz", str(path)], ["umount", "-l", str(path)]):
+        if mount_entry(path) is None:
+            return
+        subprocess.run(cmd, capture_output=True, timeout=30, check=False)
+
+
+def tree_pids(pid: int) -> list[int]:
+    import psutil
+
+    try:
+        proc = psutil.Process(pid)
+        return [pid, *(c.pid for c in proc.children(recursive=True))]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def cpu_of(pids: list[int]) -> float:
+    import psutil
+
+    total = 0.0
+    for pid in pids:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            t = psutil.Process(pid).cpu_times()
+            total += t.user + t.system
+    return total
+
+
+@dataclass
+class Context:
+    """What every mount needs: the server, the tools, the working folder."""
+
+    endpoint_url: str
+    key: str
+    secret: str
+    workdir: Path
+    jfs_meta: str = ""
+
+    @property
+    def logs(self) -> Path:
+        return self.workdir / "logs"
+
+
+@dataclass
+class Mount:
+    """One client's mount: start() mounts (empty or filled cache directory: the caller decides), stop()
+    unmounts and waits for its processes; stop() is safe to call at any time, more than once."""
+
+    client: str
+    ctx: Context
+    cache_dir: Path
+    mountpoint: Path
+    generation: int = 0
+    proc: subprocess.Popen[bytes] | None = None
+    pid: int | None = None  # the serving process (pffs: read from the mount)
+    commands: list[str] = field(default_factory=list)
+
+    @property
+    def root(self) -> Path:
+        return self.mountpoint  # every client mounts the dataset's folder itself
+
+    def log_path(self) -> Path:
+        return self.ctx.logs / f"{self.client}-{self.cache_dir.name}-{self.generation}.log"
+
+    def start(self) -> None:
+        self.generation += 1
+        self.mountpoint.mkdir(parents=True, exist_ok=True)
+        self.cache_dir.mkdir(parents=True, exist_ok=True)
+        self.ctx.logs.mkdir(parents=True, exist_ok=True)
+        if mount_entry(self.mountpoint) is not None:
+            raise PhaseFailed(f"{self.mountpoint} is already mounted")
+        cmd, env = self.command()
+        self.commands.append(shlex.join(cmd))
+        started = time.monotonic()
+        if self.client == "pffs":
+            done = subprocess.run(
+                cmd, env=env, capture_output=True, text=True, timeout=MOUNT_TIMEOUT_S + 30, check=False
+            )
+            if done.returncode != 0:
+                raise PhaseFailed(f"pffs mount exited {done.returncode}: {done.stderr.strip()[-2000:]}")
+        else:
+            with self.log_path().open("ab") as log_file:
+                self.proc = subprocess.Popen(
+                    cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                    start_new_session=True,
+                )  # fmt: skip
+        self._wait_mounted(started)
+        if self.client == "pffs":
+            self.pid = int(os.getxattr(self.mountpoint, "user.pffs.pid"))
+        else:
+            assert self.proc is not None
+            self.pid = self.proc.pid
+        os.listdir(self.root)  # it answers
+        log(f"  {self.client} mounted in {time.monotonic() - started:.1f}s (pid {self.pid})")
+
+    def _wait_mounted(self, started: float) -> None:
+        while mount_entry(self.mountpoint) is None:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise PhaseFailed(f"{self.client} exited {self.proc.returncode}; see {self.tail()}")
+            if time.monotonic() - started > MOUNT_TIMEOUT_S:
+                raise PhaseFailed(f"{self.client} did not mount within {MOUNT_TIMEOUT_S}s; {self.tail()}")
+            time.sleep(0.05)
+
+    def tail(self, lines: int = 15) -> str:
+        path = self.log_path()
+        try:
+            text = path.read_text(errors="replace").splitlines()[-lines:]
+        except OSError:
+            return f"(no log at {path})"
+        return f"last lines of {path}:\n" + "\n".join(text)
+
+    def command(self) -> tuple[list[str], dict[str, str]]:
+        ctx, mnt, cache = self.ctx, str(self.mountpoint), str(self.cache_dir)
+        env = dict(os.environ)
+        if self.client == "pffs":
+            env.update(AWS_ACCESS_KEY_ID=ctx.key, AWS_SECRET_ACCESS_KEY=ctx.secret)
+            cmd = [
+                str(BIN / "pffs"),
+                "mount",
+                f"s3://{BUCKET}/{PREFIX}",
+                mnt,
+                "--endpoint-url",
+                ctx.endpoint_url,
+            ]
+            return [*cmd, "--cache-dir", cache, *PFFS_OPTIONS, "--log-file", str(self.log_path())], env
+        if self.client == "rclone":
+            env.update(
+                RCLONE_CONFIG_BENCH_TYPE="s3",
+                RCLONE_CONFIG_BENCH_PROVIDER="Other",
+                RCLONE_CONFIG_BENCH_ENDPOINT=ctx.endpoint_url,
+                RCLONE_CONFIG_BENCH_ACCESS_KEY_ID=ctx.key,
+                RCLONE_CONFIG_BENCH_SECRET_ACCESS_KEY=ctx.secret,
+                RCLONE_CONFIG_BENCH_FORCE_PATH_STYLE="true",
+            )
+            empty_config = ctx.workdir / "rclone.conf"
+            empty_config.touch()
+            return [
+                str(BIN / "rclone"), "mount", f"bench:{BUCKET}/{PREFIX}", mnt, "--config", str(empty_config),
+                "--vfs-cache-mode", "full", "--cache-dir", cache, "--vfs-cache-max-size", CACHE_SIZE,
+            ], env  # fmt: skip
+        if self.client == "s3fs":
+            passwd = ctx.workdir / "s3fs.passwd"
+            if not passwd.exists():
+                passwd.touch(mode=0o600)
+                passwd.write_text(f"{ctx.key}:{ctx.secret}\n")
+            passwd.chmod(0o600)
+            options = f"url={ctx.endpoint_url},use_path_request_style,passwd_file={passwd},use_cache={cache}"
+            return ["s3fs", f"{BUCKET}:/{PREFIX}", mnt, "-f", "-o", options], env
+        if self.client == "juicefs":
+            return [
+                str(BIN / "juicefs"), "mount", ctx.jfs_meta, mnt, "--cache-dir", cache,
+                "--cache-size", "8192", "--no-usage-report", "--backup-meta", "0", "--no-bgjob",
+                "--no-syslog",
+            ], env  # fmt: skip
+        raise ValueError(self.client)
+
+    def stop(self) -> None:
+        """Unmounts the client's way, then makes sure: the mount gone, its processes ended."""
+        try:
+            if mount_entry(self.mountpoint) is not None:
+                if self.client == "pffs":
+                    cmd = [str(BIN / "pffs"), "umount", str(self.mountpoint), "--timeout", "60"]
+                else:
+                    cmd = ["fusermount3", "-u", str(self.mountpoint)]
+                done = subprocess.run(cmd, capture_output=True, text=True, timeout=90, check=False)
+                if done.returncode != 0:
+                    log(f"  {shlex.join(cmd)} exited {done.returncode}: {done.stderr.strip()[-500:]}")
+            self._wait_exit(30.0)
+        except subprocess.TimeoutExpired:
+            log(f"  unmounting {self.client} timed out")
+        finally:
+            if mount_entry(self.mountpoint) is not None:
+                log(f"  {self.client}: forcing the unmount of {self.mountpoint}")
+                force_unmount(self.mountpoint)
+            self._kill()
+            self.proc, self.pid = None, None
+
+    def _wait_exit(self, timeout: float) -> None:
+        import psutil
+
+        if self.proc is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=timeout)
+        elif self.pid is not None:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                psutil.Process(self.pid).wait(timeout=timeout)
+
+    def _kill(self) -> None:
+        import psutil
+
+        if self.proc is not None and self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)  # the group this mount started in
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=15)
+        elif self.proc is None and self.pid is not None:
+            with contextlib.suppress(psutil.NoSuchProcess, psutil.TimeoutExpired):
+                proc = psutil.Process(self.pid)
+                if "pffs" in " ".join(proc.cmdline()):
+                    proc.kill()
+                    proc.wait(timeout=15)
+
+    def remount(self) -> None:
+        self.stop()
+        self.start()
+
+    def counters(self) -> Result:
+        """The client's own cache counters, where it has some to give (pffs, JuiceFS)."""
+        try:
+            if self.client == "pffs":
+                report = json.loads(os.getxattr(self.mountpoint, "user.pffs.stats"))
+                return {k: v for k, v in report.get("cache", {}).items() if isinstance(v, int | float)}
+            if self.client == "juicefs":
+                wanted = (
+                    "juicefs_blockcache_hits",
+                    "juicefs_blockcache_miss",
+                    "juicefs_blockcache_hit_bytes",
+                )
+                out: Result = {}
+                for line in (self.mountpoint / ".stats").read_text().splitlines():
+                    name, _, value = line.partition(" ")
+                    if name in wanted:
+                        out[name] = float(value)
+                return out
+        except (OSError, ValueError) as exc:
+            return {"error": str(exc)}
+        return {}
+
+
+def loopback_rx_bytes() -> int:
+    for line in Path("/proc/net/dev").read_text().splitlines():
+        name, _, rest = line.partition(":")
+        if name.strip() == "lo":
+            return int(rest.split()[0])
+    return 0
+
+
+def rewarm_server(data_dir: Path) -> None:
+    sdk.rewarm_server(data_dir)
+
+
+def run_child(phase: str, spec_path: Path, root: str, mount: Mount | None) -> Result:
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--phase",
+        phase,
+        "--spec",
+        str(spec_path),
+        "--root",
+        root,
+    ]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, **MALLOC_ENV})
+    try:
+        out, _ = proc.communicate(timeout=PHASE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        log(f"  phase {phase} did not finish within {PHASE_TIMEOUT_S}s: aborting it")
+        if mount is not None:
+            if mount.client == "pffs":
+                log(f"  (the pffs mount's threads: py-spy dump --pid {mount.pid})")
+            force_unmount(mount.mountpoint)
+        proc.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.communicate(timeout=30)
+        raise PhaseFailed(f"phase {phase} timed out after {PHASE_TIMEOUT_S}s") from None
+    lines = [ln for ln in out.splitlines() if ln.startswith(RESULT_MARKER)]
+    if proc.returncode != 0 or not lines:
+        raise PhaseFailed(f"phase {phase} failed (exit code {proc.returncode})")
+    result: Result = json.loads(lines[-1].removeprefix(RESULT_MARKER))
+    return result
+
+
+@dataclass
+class Run:
+    """The parent's state: the spec, where the server keeps its data, what was measured."""
+
+    args: argparse.Namespace
+    ctx: Context
+    spec: Spec
+    spec_path: Path
+    server_data: Path
+    phases: list[Result] = field(default_factory=list)
+    failures: list[Result] = field(default_factory=list)
+    mounts: dict[str, list[str]] = field(default_factory=dict)
+
+    def phase(self, client: str, phase: str, repeat: int, mount: Mount | None = None) -> Result:
+        dropped = sdk.drop_page_cache()
+        rewarm_server(self.server_data)
+        before = None
+        if mount is not None:
+            before = (mount.counters(), cpu_of(tree_pids(mount.pid)) if mount.pid else 0.0)
+        rx = loopback_rx_bytes()
+        started = time.monotonic()
+        try:
+            root = str(mount.root) if mount else ""
+            result = run_child(phase, self.spec_path, root, mount)
+        except PhaseFailed as exc:
+            self.failures.append({"client": client, "phase": phase, "repeat": repeat, "error": str(exc)})
+            if mount is not None:
+                log(mount.tail())
+            raise
+        result.update(client=client, phase=phase, repeat=repeat, page_cache_dropped=dropped)
+        result["wall_seconds"] = round(time.monotonic() - started, 2)
+        result["loopback_rx_mb"] = round((loopback_rx_bytes() - rx) / MB, 1)
+        if mount is not None and before is not None:
+            pids = tree_pids(mount.pid) if mount.pid else []
+            result["mount_cpu_seconds"] = round(cpu_of(pids) - before[1], 3)
+            after = mount.counters()
+            result["mount_counters"] = {
+                k: round(after[k] - before[0].get(k, 0), 1)
+                for k in after
+                if isinstance(after[k], int | float) and after[k] != before[0].get(k, 0)
+            }
+        self.phases.append(result)
+        figures = ", ".join(f"{k}={v}" for k, v in result["figures"].items())
+        ok = "ok" if result["verified"] else "SHA256 MISMATCH"
+        log(f"  {client} {phase}: {figures} ({ok}; loopback {result['loopback_rx_mb']} MB)")
+        return result
+
+    def ceilings(self, repeat: int) -> None:
+        for name in ("ceiling_local_disk", "ceiling_ranged_gets"):
+            if name == "ceiling_local_disk":
+                # Written just before it is read, as every cache's files are (see bench/sdk.py).
+                sdk.write_local_large(Path(self.spec.local_large), self.spec.large_size)
+            with contextlib.suppress(PhaseFailed):
+                self.phase("ceiling", name, repeat)
+
+    def client(self, client: str, repeat: int) -> None:
+        cache = self.ctx.workdir / "caches" / f"{client}-r{repeat}"
+        shutil.rmtree(cache, ignore_errors=True)
+        mount = Mount(client, self.ctx, cache, self.ctx.workdir / "mnt" / client)
+        log(f"{client} (repeat {repeat + 1}/{self.args.repeats})")
+        try:
+            mount.start()
+            for phase in ("first_read", "large_cold", "small_cold"):
+                self.phase(client, phase, repeat, mount)
+            mount.remount()
+            for phase in ("large_warm", "small_warm", "stat"):
+                self.phase(client, phase, repeat, mount)
+            mount.remount()
+            self.phase(client, "random_warm", repeat, mount)
+        except PhaseFailed as exc:
+            log(f"  {client} FAILED: {exc}")
+            if not any(f["client"] == client and f["repeat"] == repeat for f in self.failures):
+                self.failures.append(
+                    {"client": client, "phase": "mount", "repeat": repeat, "error": str(exc)}
+                )
+        finally:
+            mount.stop()
+            self.mounts.setdefault(client, [])
+            self.mounts[client] += [c for c in mount.commands if c not in self.mounts[client]]
+            shutil.rmtree(cache, ignore_errors=True)
+
+
+# -- the dataset --------------------------------------------------------------------------------------------
+def small_files(count: int, size: int, seed: int) -> Iterator[tuple[str, bytes]]:
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    for i in range(count):
+        yield f"{i:05d}.bin", rng.bytes(size)
+
+
+def batched(items: Iterator[tuple[str, bytes]], n: int) -> Iterator[list[tuple[str, bytes]]]:
+    batch: list[tuple[str, bytes]] = []
+    for item in items:
+        batch.append(item)
+        if len(batch) == n:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def datasets(args: argparse.Namespace) -> Iterator[tuple[str, Iterator[tuple[str, bytes]]]]:
+    yield SMALL_DIR, small_files(args.small_count, args.small_size, SEED + 1)
+    yield PROBE_DIR, small_files(PROBE_COUNT, args.small_size, SEED + 2)
+
+
+def write_dataset(s3: Any, workdir: Path, args: argparse.Namespace) -> Spec:
+    import s3fs
+
+    log(f"writing a {args.large_size} B file, {args.small_count} + {PROBE_COUNT} x {args.small_size} B files")
+    fs = s3fs.S3FileSystem(**s3.storage_options(), skip_instance_cache=True)
+    fs.mkdir(BUCKET)
+    local = workdir / "local" / LARGE_NAME
+    large_sha = sdk.write_local_large(local, args.large_size)
+    fs.put_file(str(local), f"{BUCKET}/{PREFIX}/{LARGE_NAME}")
+    hashes: dict[str, dict[str, str]] = {SMALL_DIR: {}, PROBE_DIR: {}}
+    for folder, files in datasets(args):
+        for batch in batched(files, 250):  # bounded memory, concurrent PUTs
+            fs.pipe({f"{BUCKET}/{PREFIX}/{folder}/{name}": data for name, data in batch})
+            for name, data in batch:
+                hashes[folder][name] = hashlib.sha256(
+                    data if folder == SMALL_DIR else data[:PROBE_READ]
+                ).hexdigest()
+    return Spec(
+        endpoint_url=s3.endpoint_url,
+        key=s3.access_key,
+        secret=s3.secret_key,
+        large_size=args.large_size,
+        large_sha256=large_sha,
+        local_large=str(local),
+        small_size=args.small_size,
+        small=hashes[SMALL_DIR],
+        probe=hashes[PROBE_DIR],
+    )
+
+
+def prepare_juicefs(ctx: Context, args: argparse.Namespace, spec: Spec) -> list[str]:
+    """Formats a JuiceFS volume (SQLite metadata, data in s3://jfsbucket of the same server) and writes the
+    same dataset into it through a mount of its own, whose cache is then thrown away."""
+    jfs_dir = ctx.workdir / "juicefs"
+    jfs_dir.mkdir(parents=True, exist_ok=True)
+    ctx.jfs_meta = f"sqlite3://{jfs_dir / 'jfs.db'}"
+    env = {**os.environ, "ACCESS_KEY": ctx.key, "SECRET_KEY": ctx.secret}
+    fmt = [str(BIN / "juicefs"), "format", "--storage", "s3", "--bucket", f"{ctx.endpoint_url}/{JFS_BUCKET}"]
+    fmt += ["--no-usage-report", ctx.jfs_meta, "benchjfs"]
+    log("juicefs: formatting, then writing the dataset into it")
+    done = subprocess.run(fmt, env=env, capture_output=True, text=True, timeout=120, check=False)
+    if done.returncode != 0:
+        raise PhaseFailed(f"juicefs format exited {done.returncode}: {done.stderr.strip()[-1500:]}")
+    writer = Mount("juicefs", ctx, jfs_dir / "write-cache", ctx.workdir / "mnt" / "juicefs-write")
+    started = time.monotonic()
+    try:
+        writer.start()
+        shutil.copyfile(spec.local_large, writer.root / LARGE_NAME)
+        for folder, files in datasets(args):
+            (writer.root / folder).mkdir()
+            for name, data in files:
+                (writer.root / folder / name).write_bytes(data)
+    finally:
+        writer.stop()
+        shutil.rmtree(writer.cache_dir, ignore_errors=True)
+    log(f"juicefs: dataset written in {time.monotonic() - started:.1f}s")
+    return [shlex.join(fmt), *writer.commands]
+
+
+def run_all(args: argparse.Namespace, workdir: Path) -> tuple[Run, dict[str, list[str]]]:
+    from pffs.testing.s3_server import SeaweedS3
+
+    log(f"starting SeaweedFS in {workdir}")
+    with SeaweedS3(workdir / "s3") as s3:
+        spec = write_dataset(s3, workdir, args)
+        spec_path = workdir / "spec.json"
+        spec_path.touch(mode=0o600)
+        spec_path.write_text(json.dumps(asdict(spec)))  # it holds the (throwaway) server credentials
+        ctx = Context(s3.endpoint_url, s3.access_key, s3.secret_key, workdir)
+        run = Run(args, ctx, spec, spec_path, workdir / "s3" / "data")
+        setup: dict[str, list[str]] = {}
+        clients = list(args.only)
+        if "juicefs" in clients:
+            try:
+                setup["juicefs"] = prepare_juicefs(ctx, args, spec)
+            except (PhaseFailed, OSError) as exc:
+                log(f"juicefs: could not be prepared: {exc}")
+                run.failures.append({"client": "juicefs", "phase": "prepare", "repeat": 0, "error": str(exc)})
+                clients.remove("juicefs")
+        for repeat in range(args.repeats):
+            run.ceilings(repeat)
+            for client in clients:
+                run.client(client, repeat)
+        return run, setup
+
+
+# -- report -------------------------------------------------------------------------------------------------
+def aggregate(phases: list[Result]) -> dict[str, dict[str, Result]]:
+    """figure -> client -> median over repeats, min, max, runs, verified."""
+    values: dict[str, dict[str, list[tuple[float, bool]]]] = {}
+    for p in phases:
+        for fig, value in p["figures"].items():
+            values.setdefault(fig, {}).setdefault(p["client"], []).append((value, p["verified"]))
+    out: dict[str, dict[str, Result]] = {}
+    for fig, by_client in values.items():
+        out[fig] = {
+            client: {
+                "value": round(statistics.median(v for v, _ in runs), 3),
+                "min": min(v for v, _ in runs),
+                "max": max(v for v, _ in runs),
+                "runs": len(runs),
+                "verified": all(ok for _, ok in runs),
+            }
+            for client, runs in by_client.items()
+        }
+    return out
+
+
+def compare(figures: dict[str, dict[str, Result]]) -> dict[str, Result]:
+    """For every figure: the best peer, and pffs's ratio to it (pffs / best; latencies: lower is better)."""
+    out: dict[str, Result] = {}
+    for fig, (_, _, better) in FIGURES.items():
+        by_client = figures.get(fig, {})
+        peers = {c: r["value"] for c, r in by_client.items() if c in PEERS}
+        if not peers:
+            continue
+        pick = min if better == "lower" else max
+        best = pick(peers, key=lambda c: peers[c])
+        entry: Result = {"best_peer": best, "best_peer_value": peers[best], "better": better}
+        if "pffs" in by_client and peers[best] > 0:
+            entry["pffs"] = by_client["pffs"]["value"]
+            entry["pffs_over_best_peer"] = round(by_client["pffs"]["value"] / peers[best], 3)
+        out[fig] = entry
+    return out
+
+
+def targets(figures: dict[str, dict[str, Result]], comparison: dict[str, Result]) -> list[Result]:
+    out = []
+    for fig, threshold, reference in TARGETS:
+        label, unit, better = FIGURES[fig]
+        pffs = figures.get(fig, {}).get("pffs")
+        if reference == "best_peer":
+            ref_name = comparison.get(fig, {}).get("best_peer")
+            ref = figures[fig][ref_name]["value"] if ref_name else None
+        else:
+            ref_name = reference
+            found = figures.get(reference, {}).get("ceiling")
+            ref = found["value"] if found else None
+        op = "<=" if better == "lower" else ">="
+        name = f"pffs {label} {op} {threshold:g} x {ref_name or reference}"
+        if pffs is None or not ref:
+            out.append({"target": name, "figure": fig, "pass": None, "note": "not measured"})
+            continue
+        ratio = pffs["value"] / ref
+        met = ratio <= threshold if better == "lower" else ratio >= threshold
+        out.append(
+            {
+                "target": name,
+                "figure": fig,
+                "reference": ref_name,
+                "measured": f"{pffs['value']:g} / {ref:g} {unit}",
+                "ratio": round(ratio, 3),
+                "threshold": threshold,
+                "pass": met,
+            }
+        )
+    return out
+
+
+def tool_version(cmd: list[str]) -> str:
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=30, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"unavailable ({exc})"
+    text = (done.stdout or done.stderr).strip().splitlines()
+    return text[0].strip() if text else "unknown"
+
+
+def versions() -> Result:
+    return {
+        "pffs": tool_version([str(BIN / "pffs"), "--version"]),
+        "rclone": tool_version([str(BIN / "rclone"), "version"]),
+        "s3fs-fuse": tool_version(["s3fs", "--version"]),
+        "juicefs": tool_version([str(BIN / "juicefs"), "version"]),
+        "seaweedfs (weed)": tool_version([str(BIN / "weed"), "version"]),
+        "fusermount3": tool_version(["fusermount3", "--version"]),
+    }
+
+
+def build_report(args: argparse.Namespace, run: Run, setup: dict[str, list[str]], seconds: float) -> Result:
+    figures = aggregate(run.phases)
+    comparison = compare(figures)
+    verified = all(p["verified"] for p in run.phases)
+    return {
+        "command": " ".join([shlex.quote(sys.executable), *map(shlex.quote, sys.argv)]),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "total_seconds": round(seconds, 1),
+        "machine": {**sdk.machine_info(), "loadavg_at_end": os.getloadavg()},
+        "versions": versions(),
+        "config": {
+            "clients": list(args.only),
+            "large_size": args.large_size,
+            "small_count": args.small_count,
+            "small_size": args.small_size,
+            "probe_count": PROBE_COUNT,
+            "probe_read": PROBE_READ,
+            "random_reads": RANDOM_READS,
+            "random_read_size": RANDOM_SIZE,
+            "threads": THREADS,
+            "repeats": args.repeats,
+            "read_chunk": CHUNK,
+            "ranged_gets": {"parallel": PARALLEL_GETS, "range": RANGE},
+            "phase_env": MALLOC_ENV,
+            "mb": MB,
+            "pffs_options": PFFS_OPTIONS,
+        },
+        "mount_commands": {**{f"{k} (setup)": v for k, v in setup.items()}, **run.mounts},
+        "verified": verified,
+        "failures": run.failures,
+        "figures": figures,
+        "comparison": comparison,
+        "targets": targets(figures, comparison),
+        "phases": run.phases,
+    }
+
+
+def fmt(value: float) -> str:
+    if value >= 100:
+        return f"{value:.0f}"
+    return f"{value:.1f}" if value >= 10 else f"{value:.2f}"
+
+
+def print_table(report: Result) -> None:
+    figures, comparison = report["figures"], report["comparison"]
+    clients = [c for c in CLIENTS if c in report["config"]["clients"]]
+    header = ("figure", "unit", *clients, "best peer", "pffs/best")
+    rows = [header]
+    for fig, (label, unit, better) in FIGURES.items():
+        by_client = figures.get(fig, {})
+        cells = []
+        for c in clients:
+            r = by_client.get(c)
+            cell = "-" if r is None else fmt(r["value"]) + ("" if r["verified"] else " BAD")
+            if r is not None and r["runs"] > 1:
+                cell += f" ({fmt(r['min'])}-{fmt(r['max'])})"
+            cells.append(cell)
+        comp = comparison.get(fig, {})
+        ratio = f"{comp['pffs_over_best_peer']:.2f}" if "pffs_over_best_peer" in comp else "-"
+        rows.append(
+            (
+                label,
+                unit + (" (lower=better)" if better == "lower" else ""),
+                *cells,
+                comp.get("best_peer", "-"),
+                ratio,
+            )
+        )
+    for fig, label in CEILINGS.items():
+        r = figures.get(fig, {}).get("ceiling")
+        rows.append((label, "MB/s", fmt(r["value"]) if r else "-", *[""] * (len(clients) - 1), "", ""))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    print()
+    for row in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+    print()
+    for t in report["targets"]:
+        status = {True: "MET   ", False: "MISSED", None: "N/A   "}[t["pass"]]
+        detail = f"{t['ratio']:.2f} ({t['measured']})" if t["pass"] is not None else t["note"]
+        print(f"{status} {t['target']}: {detail}")
+    for f in report["failures"]:
+        print(f"FAILED {f['client']} {f['phase']} (repeat {f['repeat'] + 1}): {f['error'][:300]}")
+    print(f"\ncommand: {report['command']}")
+    print(f"all reads verified (sha256): {'yes' if report['verified'] else 'NO'}; "
+          f"pffs at {report['machine']['pffs_git']}")  # fmt: skip
+    print(f"total time: {report['total_seconds']}s")
+
+
+def plot(report: Result, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = {"pffs": "tab:green", "rclone": "tab:blue", "s3fs": "tab:orange", "juicefs": "tab:purple"}
+    figures = report["figures"]
+    shown = [f for f in FIGURES if f in figures]
+    cols = 4
+    rows = max(1, math.ceil(len(shown) / cols))
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.6 * rows), squeeze=False)
+    for ax, name in zip(axes.flat, shown, strict=False):
+        label, unit, better = FIGURES[name]
+        by_client = figures[name]
+        clients = [c for c in CLIENTS if c in by_client]
+        values = [by_client[c]["value"] for c in clients]
+        errors = [
+            [v - by_client[c]["min"] for v, c in zip(values, clients, strict=True)],
+            [by_client[c]["max"] - v for v, c in zip(values, clients, strict=True)],
+        ]
+        bars = ax.bar(clients, values, yerr=errors, capsize=2, color=[colors[c] for c in clients])
+        ax.bar_label(bars, labels=[fmt(v) for v in values], fontsize=7)
+        if name.startswith("large_"):
+            for ceiling, style in zip(CEILINGS, ("--", ":"), strict=True):
+                r = figures.get(ceiling, {}).get("ceiling")
+                if r:
+                    ax.axhline(
+                        r["value"],
+                        color="black",
+                        linestyle=style,
+                        linewidth=1,
+                        label=f"{CEILINGS[ceiling]}: {fmt(r['value'])}",
+                    )
+            ax.legend(fontsize=6, loc="upper left")
+        ax.set_title(f"{label}\n{unit}, {'lower' if better == 'lower' else 'higher'} is better", fontsize=9)
+        ax.tick_params(axis="both", labelsize=7)
+        ax.grid(axis="y", alpha=0.3)
+    for ax in list(axes.flat)[len(shown) :]:
+        ax.axis("off")
+    cfg = report["config"]
+    fig.suptitle(
+        f"FUSE mounts over one local SeaweedFS: {cfg['large_size'] >> 20} MiB file, {cfg['small_count']} x "
+        f"{cfg['small_size'] >> 10} KiB files; {report['machine']['nproc']} cores; "
+        f"median of {cfg['repeats']}",
+        fontsize=11,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+# -- main ---------------------------------------------------------------------------------------------------
+def clients_arg(value: str) -> list[str]:
+    chosen = [c.strip() for c in value.split(",") if c.strip()]
+    unknown = [c for c in chosen if c not in CLIENTS]
+    if unknown or not chosen:
+        raise argparse.ArgumentTypeError(f"unknown client(s) {unknown}; choose among {','.join(CLIENTS)}")
+    return [c for c in CLIENTS if c in chosen]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="Exit codes: 0 done (targets may be missed: see the report), 1 a read did not match its "
+        "sha256 or a phase failed. Run as root.",
+    )
+    parser.add_argument(
+        "--large-size", type=sdk.size_arg, default=1 << 30, help="large file size (default 1G)"
+    )
+    parser.add_argument("--small-count", type=int, default=2000, help="number of small files (default 2000)")
+    parser.add_argument(
+        "--small-size", type=sdk.size_arg, default=128 << 10, help="small file size (default 128K)"
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=1, help="runs of every phase, median reported (default 1)"
+    )
+    parser.add_argument(
+        "--only",
+        type=clients_arg,
+        default=list(CLIENTS),
+        help=f"clients, comma-separated (default {','.join(CLIENTS)})",
+    )
+    parser.add_argument(
+        "--workdir", help="where the server data, caches and mounts go, in a temp dir (default /tmp)"
+    )
+    parser.add_argument("--out-dir", default=str(Path(__file__).parent / "results"), help="output folder")
+    parser.add_argument("--phase", help=argparse.SUPPRESS)  # internal: run one phase (subprocess side)
+    parser.add_argument("--spec", help=argparse.SUPPRESS)
+    parser.add_argument("--root", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if (
+        args.repeats < 1
+        or args.small_count < 1
+        or args.large_size < RANDOM_SIZE
+        or args.small_size < PROBE_READ
+    ):
+        parser.error("--repeats and --small-count must be positive, --large-size >= 128K, --small-size >= 4K")
+    return args
+
+
+def _terminate(signum: int, _frame: Any) -> None:
+    raise SystemExit(128 + signum)  # unwinds every finally: mounts unmounted, server stopped
+
+
+def run_benchmark(args: argparse.Namespace) -> int:
+    if os.geteuid() != 0:
+        log("not root: the page cache cannot be dropped; run as root")
+    signal.signal(signal.SIGTERM, _terminate)
+    started = time.monotonic()
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.workdir:
+        Path(args.workdir).mkdir(parents=True, exist_ok=True)
+    workdir = Path(tempfile.mkdtemp(prefix="pffs-mounts-", dir=args.workdir))
+    try:
+        run, setup = run_all(args, workdir)
+    finally:
+        for mnt in (workdir / "mnt").glob("*"):  # nothing may stay mounted, whatever happened
+            if mount_entry(mnt) is not None:
+                log(f"left mounted: {mnt}; detaching it")
+                force_unmount(mnt)
+        shutil.rmtree(workdir, ignore_errors=True)
+    report = build_report(args, run, setup, time.monotonic() - started)
+    (out / "mounts.json").write_text(json.dumps(report, indent=2) + "\n")
+    plot(report, out / "mounts.png")
+    print_table(report)
+    log(f"wrote {out / 'mounts.json'} and {out / 'mounts.png'}")
+    return 0 if report["verified"] and not report["failures"] else 1
+
+
+def main() -> int:
+    args = parse_args()
+    if args.phase:
+        return run_phase_here(args.phase, args.spec, args.root)
+    return run_benchmark(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
