@@ -43,8 +43,11 @@ class ReadAheadState:
     small the memory tier is (and never has to be fetched twice).
     """
 
-    def __init__(self, max_window_blocks: int) -> None:
+    def __init__(self, max_window_blocks: int, slack_bytes: int = 0) -> None:
         self.max_window_blocks = max(0, max_window_blocks)
+        # Reads within this distance of where the last one ended still count as sequential: the kernel
+        # sends a FUSE file's read-ahead as several 128 KiB requests at once, which arrive in any order.
+        self.slack_bytes = slack_bytes
         self.window_blocks = 0
         self.next_offset = 0
         self.scheduled_up_to = -1  # highest block index already handed to the prefetcher
@@ -65,12 +68,13 @@ class ReadAheadState:
 
     def on_read(self, offset: int, end: int, last_block: int) -> range:
         """Records a read of [offset, end) and returns the block indexes to prefetch now."""
-        if offset == self.next_offset and self.max_window_blocks:
+        if abs(offset - self.next_offset) <= self.slack_bytes and self.max_window_blocks:
             self.window_blocks = min(self.max_window_blocks, max(1, self.window_blocks * 2))
+            self.next_offset = max(self.next_offset, end)
         else:
             self.window_blocks = 0
             self.scheduled_up_to = last_block
-        self.next_offset = end
+            self.next_offset = end
         first = max(last_block + 1, self.scheduled_up_to + 1)
         stop = last_block + 1 + self.window_blocks
         if first >= stop:

@@ -53,7 +53,7 @@ class ObjectReader:
         return self._pool
 
     def new_state(self) -> ReadAheadState:
-        return ReadAheadState(self.readahead_blocks)
+        return ReadAheadState(self.readahead_blocks, slack_bytes=self.block_size)
 
     def key(self, info: ObjectInfo, index: int) -> str:
         return f"{info.cache_id}-{self.block_size}-{index}"
