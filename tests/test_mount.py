@@ -422,15 +422,12 @@ def test_fio_verify_through_the_mount(rw: tuple[Mount, str], raw_s3: s3fs.S3File
         "--verify=crc32c",
         "--verify_fatal=1",
     ]
-    written = subprocess.run(
-        [fio, *job, "--rw=write", "--do_verify=1"], capture_output=True, text=True, timeout=120, cwd=mount.path.parent
-    )
+    run = {"capture_output": True, "text": True, "timeout": 120, "cwd": mount.path.parent}
+    written = subprocess.run([fio, *job, "--rw=write", "--do_verify=1"], **run)
     assert written.returncode == 0, written.stdout + written.stderr
     assert raw_s3.info(f"{bucket}/fio.bin")["size"] == 8 << 20
     drop_page_cache()
-    checked = subprocess.run(
-        [fio, *job, "--rw=read", "--verify_only=1"], capture_output=True, text=True, timeout=120, cwd=mount.path.parent
-    )
+    checked = subprocess.run([fio, *job, "--rw=read", "--verify_only=1"], **run)
     assert checked.returncode == 0, checked.stdout + checked.stderr
     assert "verify" in checked.stdout and "err= 0" in checked.stdout
 
