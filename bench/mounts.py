@@ -29,13 +29,14 @@ read is checked against its sha256 after the clock stops. Per client, in order:
       large_cold   the large file read sequentially (4 MiB reads), MB/s (10^6 B/s)
       small_cold   the small files read whole by 8 threads in a shuffled order, files/s (one directory
                    listing before, outside the clock)
+    pause 6 s (rclone records what it cached ~5 s after a file's last close: an unmount sooner loses it),
     unmount, mount again with the same cache directory (the client's memory is cold, its disk cache warm)
       large_warm   the large file again: warm_disk (from the client's disk cache; page cache dropped),
                    then warm_again (a second read right after, page cache kept)
       small_warm   the small files again, 8 threads, another shuffled order: files/s
       stat         os.stat of every small file, one at a time, no listing first (dentries dropped; the
                    client's own metadata cache is whatever it kept): stats/s
-    unmount, mount again with the same cache directory
+    pause 6 s, unmount, mount again with the same cache directory
       random_warm  1,000 preads of 128 KiB at random 4 KiB-aligned offsets of the large file, one at a
                    time: reads/s, and p50/p99 latency in ms
 
@@ -49,9 +50,10 @@ large warm_disk and warm_again >= 1x; small cold >= 2x; small warm >= 1.5x; rand
 stat >= 1x. Each phase runs once by default; --repeats N runs the whole sequence N times (a fresh cache
 each time) and reports medians.
 
-Per phase, the JSON also keeps the CPU seconds of the mount's processes, the loopback bytes received (an
-indicator of how much came from the server: about twice the bytes read, as SeaweedFS's gateway itself
-talks to its volume server over loopback) and, for pffs and JuiceFS, their cache counters.
+Per phase, the JSON also keeps the CPU seconds of the mount's processes, the loopback bytes received
+(machine-wide, so only an indicator of how much came from the server: about twice the bytes fetched, as
+SeaweedFS's gateway itself talks to its volume server over loopback) and, for pffs and JuiceFS, their own
+cache counters.
 
 Exit code 1 if a read did not match its sha256 or a phase failed; a missed target is reported, exit 0.
 Writes bench/results/mounts.json and bench/results/mounts.png (--out-dir), and prints a table.
@@ -107,6 +109,10 @@ CACHE_SIZE = "8G"
 PFFS_OPTIONS = f"--cache-size {CACHE_SIZE} --memory-cache-size 512M --attr-ttl 1 --dir-ttl 60".split()
 PHASE_TIMEOUT_S = 300.0
 MOUNT_TIMEOUT_S = 90.0
+# Before a remount: rclone records which ranges of a file it has cached about 5 s after the file's last
+# close, and an unmount before that loses them (the next mount downloads again); JuiceFS writes its cache
+# blocks in the background. Every client gets the same pause.
+SETTLE_S = 6.0
 RESULT_MARKER = "BENCH_RESULT "
 BIN = Path(sys.executable).parent
 Result = dict[str, Any]
@@ -634,6 +640,7 @@ class Mount:
                     proc.wait(timeout=15)
 
     def remount(self) -> None:
+        time.sleep(SETTLE_S)
         self.stop()
         self.start()
 
@@ -780,8 +787,8 @@ class Run:
                 )
         finally:
             mount.stop()
-            self.mounts.setdefault(client, [])
-            self.mounts[client] += [c for c in mount.commands if c not in self.mounts[client]]
+            if mount.commands and client not in self.mounts:  # the first mount's; remounts repeat it
+                self.mounts[client] = [mount.commands[0].replace(str(self.ctx.workdir), "$WORKDIR")]
             shutil.rmtree(cache, ignore_errors=True)
 
 
@@ -848,7 +855,7 @@ def prepare_juicefs(ctx: Context, args: argparse.Namespace, spec: Spec) -> list[
     ctx.jfs_meta = f"sqlite3://{jfs_dir / 'jfs.db'}"
     env = {**os.environ, "ACCESS_KEY": ctx.key, "SECRET_KEY": ctx.secret}
     fmt = [str(BIN / "juicefs"), "format", "--storage", "s3", "--bucket", f"{ctx.endpoint_url}/{JFS_BUCKET}"]
-    fmt += ["--no-usage-report", ctx.jfs_meta, "benchjfs"]
+    fmt += [ctx.jfs_meta, "benchjfs"]
     log("juicefs: formatting, then writing the dataset into it")
     done = subprocess.run(fmt, env=env, capture_output=True, text=True, timeout=120, check=False)
     if done.returncode != 0:
@@ -866,7 +873,7 @@ def prepare_juicefs(ctx: Context, args: argparse.Namespace, spec: Spec) -> list[
         writer.stop()
         shutil.rmtree(writer.cache_dir, ignore_errors=True)
     log(f"juicefs: dataset written in {time.monotonic() - started:.1f}s")
-    return [shlex.join(fmt), *writer.commands]
+    return [c.replace(str(ctx.workdir), "$WORKDIR") for c in (shlex.join(fmt), *writer.commands)]
 
 
 def run_all(args: argparse.Namespace, workdir: Path) -> tuple[Run, dict[str, list[str]]]:
@@ -1014,6 +1021,8 @@ def build_report(args: argparse.Namespace, run: Run, setup: dict[str, list[str]]
             "ranged_gets": {"parallel": PARALLEL_GETS, "range": RANGE},
             "phase_env": MALLOC_ENV,
             "mb": MB,
+            "settle_seconds_before_remount": SETTLE_S,
+            "phase_timeout_seconds": PHASE_TIMEOUT_S,
             "pffs_options": PFFS_OPTIONS,
         },
         "mount_commands": {**{f"{k} (setup)": v for k, v in setup.items()}, **run.mounts},

@@ -24,6 +24,7 @@ import pyfuse3
 import trio
 
 from pffs.backends.backend import ObjectInfo
+from pffs.backends.errors import ObjectChangedError
 from pffs.backends.retry import describe
 from pffs.fuse.options import MountOptions
 from pffs.vfs import OpenObject
@@ -373,9 +374,14 @@ class Operations(pyfuse3.Operations):
         assert handle.reader is not None
         data = handle.reader.read_now(off, size)
         if data is None:
-            data = await trio.to_thread.run_sync(
-                handle.reader.read_view, off, size, limiter=self.read_limiter
-            )
+            try:
+                data = await trio.to_thread.run_sync(
+                    handle.reader.read_view, off, size, limiter=self.read_limiter
+                )
+            except ObjectChangedError:
+                # This handle stays pinned to its version (ESTALE); the next open sees the new one.
+                self.ns.forget(handle.path)
+                raise
         return data  # type: ignore[return-value]
 
     @fuse_errors
