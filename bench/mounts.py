@@ -50,10 +50,11 @@ large warm_disk and warm_again >= 1x; small cold >= 2x; small warm >= 1.5x; rand
 stat >= 1x. Each phase runs once by default; --repeats N runs the whole sequence N times (a fresh cache
 each time) and reports medians.
 
-Per phase, the JSON also keeps the CPU seconds of the mount's processes, the loopback bytes received
-(machine-wide, so only an indicator of how much came from the server: about twice the bytes fetched, as
-SeaweedFS's gateway itself talks to its volume server over loopback) and, for pffs and JuiceFS, their own
-cache counters.
+Per phase, the JSON also keeps the CPU seconds of the mount's processes and of the whole machine (other
+work on this 2-core machine skews every figure: compare it with the reader's and the mount's), the
+1-minute load average before the phase, the loopback bytes received (machine-wide too, so only an
+indicator of how much came from the server: about twice the bytes fetched, as SeaweedFS's gateway itself
+talks to its volume server over loopback) and, for pffs and JuiceFS, their own cache counters.
 
 Exit code 1 if a read did not match its sha256 or a phase failed; a missed target is reported, exit 0.
 Writes bench/results/mounts.json and bench/results/mounts.png (--out-dir), and prints a table.
@@ -76,6 +77,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -529,8 +531,27 @@ class Mount:
         else:
             assert self.proc is not None
             self.pid = self.proc.pid
-        os.listdir(self.root)  # it answers
+        self._check_answers()
         log(f"  {self.client} mounted in {time.monotonic() - started:.1f}s (pid {self.pid})")
+
+    def _check_answers(self, timeout: float = 30.0) -> None:
+        """A listing of the root, in a thread: a mount that hangs fails the phase instead of the run."""
+        done: list[BaseException | None] = []
+
+        def listing() -> None:
+            try:
+                os.listdir(self.root)
+                done.append(None)
+            except OSError as exc:
+                done.append(exc)
+
+        thread = threading.Thread(target=listing, daemon=True)
+        thread.start()
+        thread.join(timeout)
+        if not done:
+            raise PhaseFailed(f"{self.client}: listing {self.root} did not answer within {timeout}s")
+        if done[0] is not None:
+            raise PhaseFailed(f"{self.client}: listing {self.root} failed: {done[0]}")
 
     def _wait_mounted(self, started: float) -> None:
         while mount_entry(self.mountpoint) is None:
@@ -621,7 +642,7 @@ class Mount:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(timeout=timeout)
         elif self.pid is not None:
-            with contextlib.suppress(psutil.NoSuchProcess):
+            with contextlib.suppress(psutil.NoSuchProcess, psutil.TimeoutExpired):
                 psutil.Process(self.pid).wait(timeout=timeout)
 
     def _kill(self) -> None:
@@ -667,6 +688,23 @@ class Mount:
         return {}
 
 
+def du(path: Path) -> int:
+    """Bytes allocated on disk under path."""
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(root, name)).st_blocks * 512
+    return total
+
+
+def busy_cpu_seconds() -> float:
+    """CPU seconds every process of this machine has used since boot (user, nice, system, irq, softirq)."""
+    fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+    user, nice, system, _idle, _iowait, irq, softirq = (int(f) for f in fields[:7])
+    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
+
+
 def loopback_rx_bytes() -> int:
     for line in Path("/proc/net/dev").read_text().splitlines():
         name, _, rest = line.partition(":")
@@ -696,13 +734,20 @@ def run_child(phase: str, spec_path: Path, root: str, mount: Mount | None) -> Re
     except subprocess.TimeoutExpired:
         log(f"  phase {phase} did not finish within {PHASE_TIMEOUT_S}s: aborting it")
         if mount is not None:
-            if mount.client == "pffs":
-                log(f"  (the pffs mount's threads: py-spy dump --pid {mount.pid})")
+            if mount.client == "pffs" and mount.pid:  # where the mount is stuck, for the bug report
+                dump = subprocess.run(
+                    [str(BIN / "py-spy"), "dump", "--pid", str(mount.pid)],
+                    capture_output=True, text=True, timeout=60, check=False,
+                )  # fmt: skip
+                log(f"  py-spy dump of the pffs mount:\n{dump.stdout}{dump.stderr}")
             force_unmount(mount.mountpoint)
         proc.kill()
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.communicate(timeout=30)
         raise PhaseFailed(f"phase {phase} timed out after {PHASE_TIMEOUT_S}s") from None
+    except BaseException:  # interrupted (SIGTERM, ^C): no reader outlives the run
+        proc.kill()
+        raise
     lines = [ln for ln in out.splitlines() if ln.startswith(RESULT_MARKER)]
     if proc.returncode != 0 or not lines:
         raise PhaseFailed(f"phase {phase} failed (exit code {proc.returncode})")
@@ -722,6 +767,7 @@ class Run:
     phases: list[Result] = field(default_factory=list)
     failures: list[Result] = field(default_factory=list)
     mounts: dict[str, list[str]] = field(default_factory=dict)
+    cache_bytes: dict[str, list[int]] = field(default_factory=dict)  # each cache directory at the end
 
     def phase(self, client: str, phase: str, repeat: int, mount: Mount | None = None) -> Result:
         dropped = sdk.drop_page_cache()
@@ -729,7 +775,7 @@ class Run:
         before = None
         if mount is not None:
             before = (mount.counters(), cpu_of(tree_pids(mount.pid)) if mount.pid else 0.0)
-        rx = loopback_rx_bytes()
+        rx, busy, load = loopback_rx_bytes(), busy_cpu_seconds(), os.getloadavg()[0]
         started = time.monotonic()
         try:
             root = str(mount.root) if mount else ""
@@ -742,6 +788,9 @@ class Run:
         result.update(client=client, phase=phase, repeat=repeat, page_cache_dropped=dropped)
         result["wall_seconds"] = round(time.monotonic() - started, 2)
         result["loopback_rx_mb"] = round((loopback_rx_bytes() - rx) / MB, 1)
+        # Whatever else ran meanwhile shows here: machine CPU beyond the reader's and the mount's.
+        result["machine_busy_cpu_seconds"] = round(busy_cpu_seconds() - busy, 2)
+        result["loadavg_1min_before"] = round(load, 2)
         if mount is not None and before is not None:
             pids = tree_pids(mount.pid) if mount.pid else []
             result["mount_cpu_seconds"] = round(cpu_of(pids) - before[1], 3)
@@ -779,7 +828,7 @@ class Run:
                 self.phase(client, phase, repeat, mount)
             mount.remount()
             self.phase(client, "random_warm", repeat, mount)
-        except PhaseFailed as exc:
+        except (PhaseFailed, OSError, subprocess.SubprocessError) as exc:
             log(f"  {client} FAILED: {exc}")
             if not any(f["client"] == client and f["repeat"] == repeat for f in self.failures):
                 self.failures.append(
@@ -787,6 +836,7 @@ class Run:
                 )
         finally:
             mount.stop()
+            self.cache_bytes.setdefault(client, []).append(du(cache))
             if mount.commands and client not in self.mounts:  # the first mount's; remounts repeat it
                 self.mounts[client] = [mount.commands[0].replace(str(self.ctx.workdir), "$WORKDIR")]
             shutil.rmtree(cache, ignore_errors=True)
@@ -1004,7 +1054,11 @@ def build_report(args: argparse.Namespace, run: Run, setup: dict[str, list[str]]
         "command": " ".join([shlex.quote(sys.executable), *map(shlex.quote, sys.argv)]),
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "total_seconds": round(seconds, 1),
-        "machine": {**sdk.machine_info(), "loadavg_at_end": os.getloadavg()},
+        "machine": {
+            **sdk.machine_info(),
+            "loadavg_at_start": args.loadavg,
+            "loadavg_at_end": os.getloadavg(),
+        },
         "versions": versions(),
         "config": {
             "clients": list(args.only),
@@ -1027,6 +1081,7 @@ def build_report(args: argparse.Namespace, run: Run, setup: dict[str, list[str]]
         },
         "mount_commands": {**{f"{k} (setup)": v for k, v in setup.items()}, **run.mounts},
         "verified": verified,
+        "cache_dir_bytes_at_end": run.cache_bytes,
         "failures": run.failures,
         "figures": figures,
         "comparison": comparison,
@@ -1120,7 +1175,7 @@ def plot(report: Result, path: Path) -> None:
                         linewidth=1,
                         label=f"{CEILINGS[ceiling]}: {fmt(r['value'])}",
                     )
-            ax.legend(fontsize=6, loc="upper left")
+            ax.legend(fontsize=6, loc="best", framealpha=0.6)
         ax.set_title(f"{label}\n{unit}, {'lower' if better == 'lower' else 'higher'} is better", fontsize=9)
         ax.tick_params(axis="both", labelsize=7)
         ax.grid(axis="y", alpha=0.3)
@@ -1196,6 +1251,7 @@ def run_benchmark(args: argparse.Namespace) -> int:
         log("not root: the page cache cannot be dropped; run as root")
     signal.signal(signal.SIGTERM, _terminate)
     started = time.monotonic()
+    args.loadavg = os.getloadavg()  # other work on this machine skews every figure: recorded
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if args.workdir:
