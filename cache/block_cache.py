@@ -68,6 +68,23 @@ class BlockCache:
             return data
         return self._flight.run(key, lambda publish: self._load(key, fetch, keep_in_memory, publish))
 
+    def get_range_if_cached(self, key: str, start: int, end: int) -> Block | None:
+        """Bytes [start, end) of a cached block, from memory or from a part of its disk file (not loaded
+        into memory: for random reads, where the rest of the block may never be wanted); None if the block
+        is in neither tier."""
+        data = self.memory.get(key)
+        if data is not None:
+            self.stats.add("memory_hits")
+            self.stats.add("bytes_from_memory", end - start)
+            return memoryview(data)[start:end]
+        if self.disk is None:
+            return None
+        part = self.disk.get(key, start, end)
+        if part is not None:
+            self.stats.add("disk_hits")
+            self.stats.add("bytes_from_disk", len(part))
+        return part
+
     def ensure_on_disk(self, key: str, fetch: Callable[[], Block]) -> bool:
         """For warm-up: stores the block on disk if it is not there yet. Returns True if it was fetched."""
         if self.disk is not None and self.disk.contains(key):

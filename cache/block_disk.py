@@ -12,7 +12,7 @@ from typing import Any
 import diskcache
 from diskcache.core import MODE_BINARY, UNKNOWN
 
-from .block_format import CorruptBlockError, block_header, read_block_file
+from .block_format import CorruptBlockError, block_header, read_block_file, read_block_range
 
 
 class BlockPayload:
@@ -63,8 +63,9 @@ class BlockStore(diskcache.Cache):
         self._next_touch_flush = time.monotonic() + self.TOUCH_FLUSH_S
         super().__init__(*args, **kwargs)
 
-    def get_block(self, key: str) -> bytes | None:
-        """The block's verified payload, None if absent; CorruptBlockError if its file is damaged."""
+    def get_block(self, key: str, start: int = 0, end: int | None = None) -> bytes | None:
+        """The block's verified payload (or bytes [start, end) of it, verifying only the segments read),
+        None if absent; CorruptBlockError if its file is damaged."""
         db_key, raw = self._disk.put(key)
         select = "SELECT rowid, filename FROM Cache WHERE key = ? AND raw = ?"
         rows = self._sql(select, (db_key, raw)).fetchall()
@@ -73,8 +74,9 @@ class BlockStore(diskcache.Cache):
         ((rowid, filename),) = rows
         if filename is None:
             raise CorruptBlockError("block stored without a file")
+        path = os.path.join(self.directory, filename)
         try:
-            data = read_block_file(os.path.join(self.directory, filename))
+            data = read_block_file(path) if end is None else read_block_range(path, start, end)
         except FileNotFoundError:
             return None  # evicted between the lookup and the read
         self._touched[rowid] = time.time()

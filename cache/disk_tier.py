@@ -40,9 +40,10 @@ class DiskTier:
             tag_index=False,
         )
 
-    def get(self, key: str) -> bytes | None:
+    def get(self, key: str, start: int = 0, end: int | None = None) -> bytes | None:
+        """The block, or bytes [start, end) of it; None if it is not here (or was corrupt: dropped)."""
         try:
-            return self._cache.get_block(key)
+            return self._cache.get_block(key, start, end)
         except (OSError, sqlite3.Error) as exc:
             log.warning("disk cache read failed for block %s: %s; reading from the backend", key, exc)
             return None

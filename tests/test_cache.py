@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+import random
 import subprocess
 import threading
 import time
@@ -140,6 +141,26 @@ def test_corrupt_and_truncated_block_files_are_dropped_and_fetched_again(tmp_pat
     assert cache.stats.snapshot()["corrupt_blocks"] == 2
     # and now they are good again on disk
     assert bytes(cache.get("a", lambda: pytest.fail("should be cached again"))) == good
+
+
+def test_range_reads_from_disk_verify_their_segments(tmp_path: Path) -> None:
+    cache = BlockCache(tmp_path, disk_capacity_bytes=10 << 20, memory_capacity_bytes=0)
+    good = os.urandom(1000 * KIB)  # 8 segments of 128 KiB
+    cache.get("a", lambda: good)
+    rng = random.Random(2)
+    for _ in range(200):
+        start = rng.randrange(len(good))
+        end = min(len(good), start + rng.randrange(1, 300 * KIB))
+        assert bytes(cache.get_range_if_cached("a", start, end)) == good[start:end]
+    assert cache.get_range_if_cached("missing", 0, 10) is None
+    (path,) = block_files(tmp_path)
+    data = bytearray(path.read_bytes())
+    data[-100] ^= 0xFF  # in the last segment only
+    path.write_bytes(bytes(data))
+    assert bytes(cache.get_range_if_cached("a", 0, 4096)) == good[:4096]  # its own segment is intact
+    assert cache.get_range_if_cached("a", len(good) - 200, len(good)) is None  # caught: dropped
+    assert cache.stats.snapshot()["corrupt_blocks"] == 1
+    assert cache.get_range_if_cached("a", 0, 4096) is None  # the whole block went
 
 
 def test_disk_tier_stays_within_its_byte_bound(tmp_path: Path) -> None:

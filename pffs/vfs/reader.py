@@ -90,12 +90,22 @@ class ObjectReader:
             return b""
         first, last = offset // self.block_size, (end - 1) // self.block_size
         ready: dict[int, Future[Block]] = {}
+        random_access = False
         if state is not None:
             with state.lock:
                 ready = state.take(first, last)
                 for index in state.on_read(offset, end, last):
                     if index < self.block_count(info) and (future := self._prefetch(info, index)) is not None:
                         state.pending[index] = future
+                random_access = state.window_blocks == 0
+        if random_access and first == last and first not in ready:
+            # A random read within one block: read just its part of a cached block (no 4 MiB load).
+            block_start = first * self.block_size
+            part = self.cache.get_range_if_cached(
+                self.key(info, first), offset - block_start, end - block_start
+            )
+            if part is not None and len(part) == end - offset:
+                return part if as_view or isinstance(part, bytes) else bytes(part)
         # Blocks after the first are fetched in parallel while the first is read here.
         for index in range(first + 1, last + 1):
             if index not in ready:
