@@ -418,6 +418,28 @@ def test_kill_9_then_remount_uses_the_cache(
         first.kill()
 
 
+def test_umount_detaches_a_dead_mount(
+    s3_server: SeaweedS3, raw_s3: s3fs.S3FileSystem, tmp_path: Path
+) -> None:
+    bucket = new_bucket(raw_s3)
+    extra = ("--endpoint-url", s3_server.endpoint_url)
+    with mounted(f"s3://{bucket}", tmp_path, env_for(s3_server), *extra) as mount:
+        assert mount.pid is not None
+        os.kill(mount.pid, 9)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                os.stat(mount.path)
+            except OSError as exc:
+                assert exc.errno == errno.ENOTCONN
+                break
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        result = mount.umount()
+        assert result.returncode == 0 and "dead mount" in result.stderr, result.stderr
+        assert not os.path.ismount(mount.path) and os.listdir(mount.path) == []
+
+
 def test_fio_verify_through_the_mount(rw: tuple[Mount, str], raw_s3: s3fs.S3FileSystem) -> None:
     fio = shutil.which("fio")
     if fio is None:
