@@ -47,7 +47,7 @@ class Namespace:
         self.vfs = vfs
         self.staging = staging
         self.negative_ttl_s = negative_ttl_s
-        self.new_dirs: set[str] = set()
+        self.new_dirs: set[str] = set()  # changed from worker threads: iterate over a copy
         self._lock = threading.Lock()
         self._missing: dict[str, float] = {}  # path -> until when it is known not to exist
         self._heads: dict[str, tuple[float, int]] = {}  # directory -> (window end, HEADs in it)
@@ -115,7 +115,9 @@ class Namespace:
 
     def _with_local(self, path: str, names: dict[str, ObjectInfo]) -> dict[str, ObjectInfo]:
         extra = {
-            posixpath.basename(p): directory_info(p) for p in self.new_dirs if posixpath.dirname(p) == path
+            posixpath.basename(p): directory_info(p)
+            for p in list(self.new_dirs)
+            if posixpath.dirname(p) == path
         }
         for staged in self.staging.files():
             if posixpath.dirname(staged.path) == path:
