@@ -214,6 +214,11 @@ def test_write_create_overwrite_append_truncate(rw: tuple[Mount, str], raw_s3: s
     (mount.path / "a.bin").write_bytes(data)
     assert sha256(raw_s3.cat(f"{bucket}/a.bin")) == sha256(data)  # close returned after the upload
     assert sha256((mount.path / "a.bin").read_bytes()) == sha256(data)
+    uploads = mount.stats()["uploads_done"]
+    with open(mount.path / "a.bin", "r+b") as f:  # opened for writing, only read: nothing staged or uploaded
+        assert sha256(f.read()) == sha256(data)
+    assert mount.stats()["uploads_done"] == uploads
+    assert not list((mount.cache_dir / "staging").glob("*.data"))
     with open(mount.path / "a.bin", "ab") as f:
         f.write(b"tail")
     assert raw_s3.cat(f"{bucket}/a.bin") == data + b"tail"

@@ -17,7 +17,7 @@ import os
 import posixpath
 import stat
 from collections.abc import Callable, Coroutine, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ParamSpec, TypeVar
 
 import pyfuse3
@@ -85,6 +85,9 @@ class FileHandle:
     reader: OpenObject | None = None  # reading a stored version
     staged: StagedFile | None = None  # writing, or reading a file being written
     writable: bool = False
+    # Opened for writing without O_TRUNC: the stored bytes are copied into staging at the first write,
+    # not at open (a program that opens r+ and only reads never pays for the copy).
+    staging_lock: trio.Lock = field(default_factory=trio.Lock)
 
 
 class Operations(pyfuse3.Operations):
@@ -211,8 +214,8 @@ class Operations(pyfuse3.Operations):
         return self.attributes(inode, await self._stat(path))
 
     async def _truncate(self, path: str, size: int, handle: FileHandle | None) -> None:
-        if handle is not None and handle.staged is not None:
-            handle.staged.truncate(size)
+        if handle is not None and handle.writable:
+            (await self._staged(handle)).truncate(size)
             return
         staged = await self._backend(self._open_staged, path, size == 0)
         try:
@@ -339,9 +342,13 @@ class Operations(pyfuse3.Operations):
         fh = next(self._handles)
         if flags & os.O_ACCMODE != os.O_RDONLY:
             self._check_writable()
-            staged = await self._backend(self._open_staged, path, bool(flags & os.O_TRUNC))
-            self.files[fh] = FileHandle(path, staged=staged, writable=True)
             self._opened_version.pop(inode, None)
+            if flags & os.O_TRUNC or self.staging.get(path) is not None:
+                staged = await self._backend(self._open_staged, path, bool(flags & os.O_TRUNC))
+                self.files[fh] = FileHandle(path, staged=staged, writable=True)
+            else:
+                reader = self.vfs.open_version(await self._stat(path))
+                self.files[fh] = FileHandle(path, reader=reader, writable=True)
             return pyfuse3.FileInfo(fh=fh, keep_cache=False)
         if self.staging.get(path) is not None:  # being written here: read what was written
             self.files[fh] = FileHandle(path, staged=self.staging.open(path))
@@ -387,9 +394,17 @@ class Operations(pyfuse3.Operations):
     @fuse_errors
     async def write(self, fh: int, off: int, buf: bytes) -> int:
         handle = self.files[fh]
-        if handle.staged is None or not handle.writable:
+        if not handle.writable:
             raise OSError(errno.EBADF, "file not open for writing")
-        return handle.staged.write(off, buf)
+        return (await self._staged(handle)).write(off, buf)
+
+    async def _staged(self, handle: FileHandle) -> StagedFile:
+        """The handle's staged file, made (filled with the stored bytes) at its first write."""
+        if handle.staged is None:
+            async with handle.staging_lock:
+                if handle.staged is None:
+                    handle.staged = await self._backend(self._open_staged, handle.path, False)
+        return handle.staged
 
     @fuse_errors
     async def flush(self, fh: int) -> None:
