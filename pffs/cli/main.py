@@ -24,6 +24,8 @@ Sizes accept plain bytes or K, M, G, T suffixes (binary: 1K = 1024), e.g. 10G, 5
 
 EPILOG = """\
 examples:
+  pffs mount s3://datasets/imagenet /mnt/imagenet --endpoint-url http://127.0.0.1:8333
+  pffs stats /mnt/imagenet && pffs umount /mnt/imagenet
   pffs --endpoint-url http://127.0.0.1:8333 warmup s3://datasets/imagenet/train --workers 16
   pffs cat s3://datasets/labels.csv | head
   pffs stats --json
