@@ -121,11 +121,6 @@ class Backend:
         self._call("delete", lambda: self.fs.rm_file(path), path)
         self.invalidate(path)
 
-    def copy(self, source: str, target: str) -> None:
-        """Server-side where the backend can (S3 CopyObject)."""
-        self._call("copy", lambda: self.fs.copy(source, target), target)
-        self.invalidate(target)
-
     def move(self, source: str, target: str) -> None:
         """A rename where the backend has one; copy then delete elsewhere (S3: not atomic)."""
         self._call("copy", lambda: self.fs.mv(source, target), target)
@@ -141,7 +136,7 @@ class Backend:
         self._call("delete", lambda: self.fs.rmdir(path), path)
         self.invalidate(path)
 
-    # Object stores have no directories of their own: a prefix exists while an object is under it.
+    # False for object stores, where a prefix exists only while an object is under it.
     has_real_directories = True
 
     def read_range(self, info: ObjectInfo, start: int, end: int) -> bytes:

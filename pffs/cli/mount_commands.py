@@ -26,6 +26,7 @@ from pffs.cli.context import backend_options, cache_settings
 from pffs.cli.errors import EXIT_FAILURE, EXIT_OK, UsageError
 from pffs.config import settings_error
 from pffs.fuse.options import MountOptions
+from pffs.processes import is_alive
 
 READY_TIMEOUT_S = 120.0
 MOUNT_HELP = """\
@@ -198,9 +199,9 @@ def umount(args: argparse.Namespace) -> int:
         raise OSError(22, f"{path} is not a pffs mount (use umount or fusermount3 -u)") from None
     os.kill(pid, signal.SIGTERM)  # the mount uploads what is pending, then unmounts itself
     deadline = time.monotonic() + args.timeout
-    while _alive(pid) and time.monotonic() < deadline:
+    while is_alive(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
-    if _alive(pid):
+    if is_alive(pid):
         raise TimeoutError(
             f"the mount process {pid} is still uploading after {args.timeout:.0f} s; it goes on in the "
             f"background (see its log), or stop it with kill {pid}"
@@ -208,16 +209,3 @@ def umount(args: argparse.Namespace) -> int:
     if mountpoint_state(path) in ("mounted", "stale"):
         force_unmount(path)
     return EXIT_OK
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie (our own child, in tests) has exited.
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False

@@ -59,13 +59,15 @@ class Namespace:
 
     # Reading the tree
 
-    def stat_now(self, path: str) -> ObjectInfo | Unknown:
+    def _made_here(self, path: str) -> ObjectInfo | None:
+        """A file being written here, or a directory made here; None for anything else."""
         staged = self.staging.get(path)
         if staged is not None:
             return staged_info(staged)
-        if path in self.new_dirs:
-            return directory_info(path)
-        return self.vfs.metadata.get(path) or UNKNOWN
+        return directory_info(path) if path in self.new_dirs else None
+
+    def stat_now(self, path: str) -> ObjectInfo | Unknown:
+        return self._made_here(path) or self.vfs.metadata.get(path) or UNKNOWN
 
     def stat(self, path: str) -> ObjectInfo:
         info = self.stat_now(path)
@@ -73,11 +75,9 @@ class Namespace:
 
     def lookup_now(self, parent: str, name: str) -> ObjectInfo | Unknown | None:
         path = self.join(parent, name)
-        staged = self.staging.get(path)
-        if staged is not None:
-            return staged_info(staged)
-        if path in self.new_dirs:
-            return directory_info(path)
+        local = self._made_here(path)
+        if local is not None:
+            return local
         listed = self._listed_names(parent)
         if listed is not None:
             return listed.get(name)

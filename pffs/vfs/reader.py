@@ -85,7 +85,7 @@ class ObjectReader:
         as_view: bool = True,
     ) -> Block:
         """As `read`, but a part of one block comes back as a memoryview of it (no copy)."""
-        end = min(info.size, offset + length) if length >= 0 else info.size
+        end = self._end(info, offset, length)
         if offset >= end:
             return b""
         first, last = offset // self.block_size, (end - 1) // self.block_size
@@ -94,9 +94,7 @@ class ObjectReader:
         if state is not None:
             with state.lock:
                 ready = state.take(first, last)
-                for index in state.on_read(offset, end, last):
-                    if index < self.block_count(info) and (future := self._prefetch(info, index)) is not None:
-                        state.pending[index] = future
+                self._read_ahead(info, state, offset, end, last)
                 random_access = state.window_blocks == 0
         if random_access and first == last and first not in ready:
             # A random read within one block: read just its part of a cached block (no 4 MiB load).
@@ -122,7 +120,7 @@ class ObjectReader:
         """The read, if every block it needs is in memory or already fetched ahead; else None, having
         changed nothing (the caller then calls `read` from a worker thread). For event loops: never blocks.
         """
-        end = min(info.size, offset + length) if length >= 0 else info.size
+        end = self._end(info, offset, length)
         if offset >= end:
             return b""
         first, last = offset // self.block_size, (end - 1) // self.block_size
@@ -143,9 +141,7 @@ class ObjectReader:
                 block_start = index * self.block_size
                 from_memory += min(end, block_start + len(block)) - max(offset, block_start)
             state.take(first, last)
-            for index in state.on_read(offset, end, last):
-                if index < self.block_count(info) and (future := self._prefetch(info, index)) is not None:
-                    state.pending[index] = future
+            self._read_ahead(info, state, offset, end, last)
         if from_memory:
             self.cache.stats.add("memory_hits")
             self.cache.stats.add("bytes_from_memory", from_memory)
@@ -166,6 +162,18 @@ class ObjectReader:
         parts[0] = parts[0][head:]
         parts[-1] = parts[-1][: end - last * self.block_size]
         return b"".join(parts)
+
+    @staticmethod
+    def _end(info: ObjectInfo, offset: int, length: int) -> int:
+        """Where a read of `length` bytes at `offset` stops (-1: to the end), clipped at the object's end."""
+        return min(info.size, offset + length) if length >= 0 else info.size
+
+    def _read_ahead(self, info: ObjectInfo, state: ReadAheadState, offset: int, end: int, last: int) -> None:
+        """Records the read [offset, end) and starts the blocks the read-ahead window asks for now.
+        Called with state.lock held."""
+        for index in state.on_read(offset, end, last):
+            if index < self.block_count(info) and (future := self._prefetch(info, index)) is not None:
+                state.pending[index] = future
 
     def _prefetch(self, info: ObjectInfo, index: int) -> Future[Block] | None:
         """Starts fetching a block ahead of the reader, if the process's read-ahead budget allows."""

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from pffs.backends.backend import Backend
 from pffs.backends.retry import describe
+from pffs.processes import is_alive
 
 log = logging.getLogger(__name__)
 
@@ -75,15 +76,9 @@ class StagedFile:
 
 
 class Staging:
-    def __init__(
-        self,
-        directory: Path,
-        backend: Backend,
-        on_uploaded: Callable[[str], None] = lambda path: None,
-    ) -> None:
+    def __init__(self, directory: Path, backend: Backend) -> None:
         self.directory = directory
         self.backend = backend
-        self.on_uploaded = on_uploaded
         self.directory.mkdir(parents=True, exist_ok=True)
         self._files: dict[str, StagedFile] = {}
         self._lock = threading.Lock()
@@ -101,7 +96,7 @@ class Staging:
                 meta = json.loads(sidecar.read_text())
             except (OSError, ValueError):
                 continue
-            if not _alive(meta.get("pid")):
+            if not is_alive(meta.get("pid")):
                 found.append({"url": str(meta.get("url")), "path": str(meta.get("path")), "data": str(data)})
         return found
 
@@ -156,7 +151,6 @@ class Staging:
             if not staged.dirty:
                 staged.sidecar.unlink(missing_ok=True)
             self.uploads_done += 1
-        self.on_uploaded(staged.path)
 
     def release(self, staged: StagedFile) -> None:
         """One handle closed. The last one uploads what is left and drops the local copy once uploaded."""
@@ -212,15 +206,3 @@ class Staging:
             except OSError:
                 failed.append(staged.url)
         return failed
-
-
-def _alive(pid: object) -> bool:
-    if not isinstance(pid, int) or pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
