@@ -402,6 +402,12 @@ def test_kill_9_then_remount_uses_the_cache(
     first = Mount(f"s3://{bucket}", tmp_path / "mnt", tmp_path / "cache", env_for(s3_server), *extra).start()
     try:
         assert (first.path / "d.bin").read_bytes() == data
+        # A read returns once its block is in memory; the disk write follows. Kill only once every block
+        # is on disk, so the remount below must not fetch anything.
+        deadline = time.monotonic() + 10
+        while float(os.getxattr(first.path / "d.bin", "user.pffs.cached")) < 1.0:
+            assert time.monotonic() < deadline, "the blocks never reached the disk tier"
+            time.sleep(0.05)
         assert first.pid is not None
         os.kill(first.pid, 9)
         deadline = time.monotonic() + 10
