@@ -55,12 +55,11 @@ def serve(options: MountOptions, ready: Callable[[], None]) -> int:
 
         pyfuse3.init(operations, str(options.mountpoint), fuse_options(options))
         stack.callback(pyfuse3.close, unmount=True)
-        raise_read_ahead(options.mountpoint)
         if options.metrics_port:
             start_metrics_server(operations.report, options.metrics_address, options.metrics_port)
         log.info("mounted %s at %s (pid %d)", options.source, options.mountpoint, os.getpid())
         ready()
-        trio.run(_serve_until_unmounted)
+        trio.run(_serve_until_unmounted, options.mountpoint)
         failed = staging.upload_all()
         for url in failed:
             log.error("could not upload %s before unmounting; its data stays in %s", url, staging.directory)
@@ -69,9 +68,10 @@ def serve(options: MountOptions, ready: Callable[[], None]) -> int:
     raise AssertionError("unreachable")
 
 
-async def _serve_until_unmounted() -> None:
+async def _serve_until_unmounted(mountpoint: Path) -> None:
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_terminate_on_signal)
+        nursery.start_soon(_tune_kernel_after_init, mountpoint)
         await pyfuse3.main(min_tasks=4, max_tasks=64)
         nursery.cancel_scope.cancel()
 
@@ -94,18 +94,16 @@ def fuse_options(options: MountOptions) -> set[str]:
     return chosen
 
 
-def raise_read_ahead(mountpoint: Path) -> None:
-    """Best effort: the default 128 KiB read-ahead keeps too few requests in flight for sequential reads.
-    The device number comes from /proc/self/mountinfo: a stat of the mountpoint would wait for this very
-    process, which is not serving yet (so is os.path.realpath of it: `pffs mount` resolved it already)."""
-    target = str(mountpoint)
+async def _tune_kernel_after_init(mountpoint: Path) -> None:
+    """Raises the mount's read-ahead once the kernel has its INIT answer (which would lower a value set
+    earlier to the 128 KiB the kernel proposed at mount time). The default keeps one 128 KiB request in
+    flight; 1 MiB makes the kernel send 1 MiB read requests: 8 times fewer handler calls per byte."""
     try:
-        with open("/proc/self/mountinfo") as mounts:
-            devices = [line.split()[2] for line in mounts if line.split()[4] == target]
-        if devices:
-            Path(f"/sys/class/bdi/{devices[-1]}/read_ahead_kb").write_text(str(READ_AHEAD_KB))
+        device = (await trio.to_thread.run_sync(os.stat, mountpoint)).st_dev  # answered by this loop
+        bdi = Path(f"/sys/class/bdi/{os.major(device)}:{os.minor(device)}/read_ahead_kb")
+        await trio.to_thread.run_sync(bdi.write_text, str(READ_AHEAD_KB))
     except OSError as exc:
-        log.debug("could not raise the read-ahead of %s: %s", mountpoint, exc)
+        log.info("could not raise the kernel read-ahead of %s (%s): sequential reads will be slower", mountpoint, exc)
 
 
 # Mountpoint state, for `pffs mount` and `pffs umount`.
