@@ -29,7 +29,7 @@ from pffs.vfs.staging import Staging
 
 log = logging.getLogger(__name__)
 
-READ_AHEAD_KB = 1024  # the kernel's read-ahead for this mount: more 128 KiB requests in flight
+READ_AHEAD_KB = 1024
 
 
 def serve(options: MountOptions, ready: Callable[[], None]) -> int:
