@@ -1,5 +1,9 @@
-"""How a block is laid out on disk: a header with its length and one checksum per 128 KiB segment, then the
-bytes.
+"""How a block is laid out on disk: a header with its length and one checksum per 128 KiB segment, padded
+with zeros to a multiple of 4 KiB, then the bytes.
+
+The padding puts the payload on a page boundary of the file, so a block whose buffer is page-aligned can be
+written with O_DIRECT (see block_disk): straight from memory to the disk, without first being copied into
+the kernel's page cache, which costs more CPU than the network transfer that brought the block.
 
 Per-segment checksums let a random read verify just the segments it needs (a 128 KiB pread of a 4 MiB block
 reads and hashes 128-256 KiB, not 4 MiB). A block that is truncated, bit-flipped, written by something else
@@ -13,10 +17,11 @@ import struct
 
 import xxhash
 
-MAGIC = b"PFB2"
+MAGIC = b"PFB3"
 FIXED = struct.Struct("<4sQI")  # magic, payload length, segment count
 DIGEST = struct.Struct("<Q")  # xxh3-64 of one segment
 SEGMENT = 128 << 10
+HEADER_ALIGN = 4096
 FIRST_READ = 8192  # one pread gets the header of any block up to 128 MiB
 
 
@@ -29,14 +34,16 @@ def _segments(length: int) -> int:
 
 
 def header_size(length: int) -> int:
-    return FIXED.size + DIGEST.size * _segments(length)
+    """Where the payload starts: the header, padded to a multiple of HEADER_ALIGN."""
+    return -(-(FIXED.size + DIGEST.size * _segments(length)) // HEADER_ALIGN) * HEADER_ALIGN
 
 
 def block_header(payload: bytes | memoryview) -> bytes:
     view = memoryview(payload).cast("B")
     count = _segments(len(view))
     digests = [xxhash.xxh3_64_intdigest(view[i * SEGMENT : (i + 1) * SEGMENT]) for i in range(count)]
-    return FIXED.pack(MAGIC, len(view), count) + struct.pack(f"<{count}Q", *digests)
+    header = FIXED.pack(MAGIC, len(view), count) + struct.pack(f"<{count}Q", *digests)
+    return header.ljust(header_size(len(view)), b"\0")
 
 
 def pack_block(payload: bytes | memoryview) -> bytes:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from pffs.cache import BlockCache
-from pffs.cache.block_format import CorruptBlockError, pack_block, unpack_block
+from pffs.cache.block_format import CorruptBlockError, header_size, pack_block, unpack_block
 from pffs.cache.memory_tier import MemoryTier
 from pffs.cache.single_flight import SingleFlight
 from pffs.cache.stats import CacheStats, read_totals
@@ -44,7 +44,7 @@ def test_block_format_detects_truncation_and_bit_flips() -> None:
     with pytest.raises(CorruptBlockError, match="truncated"):
         unpack_block(stored[:-1])
     flipped = bytearray(stored)
-    flipped[500] ^= 1
+    flipped[header_size(1000) + 500] ^= 1  # a payload byte (the header is padded to 4 KiB)
     with pytest.raises(CorruptBlockError, match="checksum"):
         unpack_block(bytes(flipped))
     with pytest.raises(CorruptBlockError):

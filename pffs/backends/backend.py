@@ -8,6 +8,7 @@ PyTorch DataLoader worker, say) does not have, so a child makes its own on first
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import threading
 import time
@@ -18,12 +19,16 @@ from typing import Any, TypeVar
 import fsspec
 from fsspec.asyn import sync
 
+from pffs.backends.buffers import aligned_buffer
 from pffs.backends.errors import ObjectChangedError
 from pffs.backends.identity import identity_token, mtime_seconds
 from pffs.backends.request_stats import RequestStats
 from pffs.backends.retry import RetryPolicy
+from pffs.backends.s3_native import NativeS3Getter, NotHandled, native_getter_for
 
 T = TypeVar("T")
+Block = bytes | memoryview
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,7 +144,7 @@ class Backend:
     # False for object stores, where a prefix exists only while an object is under it.
     has_real_directories = True
 
-    def read_range(self, info: ObjectInfo, start: int, end: int) -> bytes:
+    def read_range(self, info: ObjectInfo, start: int, end: int) -> Block:
         """Bytes [start, end) of exactly the version `info` describes, or ObjectChangedError."""
 
         def read() -> bytes:
@@ -170,9 +175,52 @@ class LocalBackend(Backend):
 
 
 class S3Backend(Backend):
-    """Ranged GETs pinned to the version read at open: If-Match on the ETag (or the version id)."""
+    """Ranged GETs pinned to the version read at open: If-Match on the ETag (or the version id). Block
+    fetches go through the native client (pffs.backends.s3_native) where it applies, else through s3fs."""
 
-    def read_range(self, info: ObjectInfo, start: int, end: int) -> bytes:
+    def __init__(self, *args: Any, native_gets: bool = True, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.native_gets = native_gets
+        self._native: NativeS3Getter | None = None
+        self._native_pid = 0
+
+    def read_range(self, info: ObjectInfo, start: int, end: int) -> Block:
+        native = self._native_getter()
+        if native is not None:
+            fs: Any = self.fs
+            bucket, key, _ = fs.split_path(info.path)
+
+            def read_native() -> Block:
+                into = aligned_buffer(end - start)
+                try:
+                    native.get(bucket, key, start, into, etag=info.etag, version_id=info.version_id)
+                except ObjectChangedError:
+                    raise ObjectChangedError(self.url(info.path)) from None
+                return into
+
+            try:
+                return self._call("get", read_native, info.path)
+            except NotHandled as exc:
+                log.info("S3 GETs of %s go through s3fs from now on (%s)", self.url(info.path), exc)
+                self.native_gets = False
+        return self._read_range_s3fs(info, start, end)
+
+    def _native_getter(self) -> NativeS3Getter | None:
+        if not self.native_gets:
+            return None
+        if self._native is None or self._native_pid != os.getpid():
+            with self._lock:
+                if self._native is None or self._native_pid != os.getpid():
+                    try:
+                        self._native = native_getter_for(self.fs)
+                    except NotHandled as exc:
+                        log.info("S3 GETs go through s3fs (%s)", exc)
+                        self.native_gets = False
+                        return None
+                    self._native_pid = os.getpid()
+        return self._native
+
+    def _read_range_s3fs(self, info: ObjectInfo, start: int, end: int) -> bytes:
         fs: Any = self.fs
         bucket, key, _ = fs.split_path(info.path)
         request: dict[str, Any] = {"Bucket": bucket, "Key": key, "Range": f"bytes={start}-{end - 1}"}

@@ -23,5 +23,8 @@ class BackendOptions(BaseModel):
     connect_timeout_s: float = 5.0
     read_timeout_s: float = 30.0
     max_connections: int = 64
+    # Block fetches through pffs's own S3 client (pffs.backends.s3_native) rather than botocore's: the
+    # same requests for a fraction of the CPU. Off when `extra` options could change how requests go.
+    native_s3_gets: bool = True
     # Passed through untouched to fsspec for non-S3 backends (hdfs host/port, webhdfs user, ...).
     extra: dict[str, Any] = Field(default_factory=dict)

@@ -41,7 +41,8 @@ def open_backend(url: str, options: BackendOptions | None = None) -> tuple[Backe
     options = options or BackendOptions()
     protocol, rest = split_url(url)
     if protocol == "s3":
-        return S3Backend("s3", partial(_make_s3fs, options)), rest.strip("/")
+        native = options.native_s3_gets and not options.extra
+        return S3Backend("s3", partial(_make_s3fs, options), native_gets=native), rest.strip("/")
     if protocol == "file":
         path = rest if rest.startswith("/") else "/" + rest
         return LocalBackend("file", partial(fsspec.filesystem, "file")), os.path.normpath(path)

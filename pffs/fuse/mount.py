@@ -103,7 +103,7 @@ async def _tune_kernel_after_init(mountpoint: Path) -> None:
         bdi = Path(f"/sys/class/bdi/{os.major(device)}:{os.minor(device)}/read_ahead_kb")
         await trio.to_thread.run_sync(bdi.write_text, str(READ_AHEAD_KB))
     except OSError as exc:
-        log.info("could not raise the kernel read-ahead of %s (%s): sequential reads will be slower", mountpoint, exc)
+        log.info("could not raise the read-ahead of %s (%s): sequential reads are slower", mountpoint, exc)
 
 
 # Mountpoint state, for `pffs mount` and `pffs umount`.

@@ -1,0 +1,15 @@
+"""Block buffers aligned to the page size, so the disk tier can write them with O_DIRECT (no copy into the
+kernel's page cache)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+ALIGN = 4096
+
+
+def aligned_buffer(size: int) -> memoryview:
+    """A writable, uninitialised buffer of `size` bytes starting on a 4 KiB boundary."""
+    raw = np.empty(size + ALIGN, dtype=np.uint8)
+    offset = -raw.ctypes.data % ALIGN
+    return memoryview(raw[offset : offset + size].data)

@@ -1,0 +1,413 @@
+"""S3 ranged GETs without botocore, for the block fetches that carry almost every byte pffs reads.
+
+Through s3fs, every GET is built, signed, sent and parsed by aiobotocore and aiohttp in Python on s3fs's
+event-loop thread, the body arriving as a list of chunks that are joined at the end: 1-3 ms of CPU per
+request here, more than the transfer of a 128 KiB file. A block fetch needs much less: one GET of a known
+key with a Range, pinned to a version, read into a buffer of known size. This client does just that: SigV4
+signing in a few lines, one keep-alive HTTP/1.1 connection per thread (blocking sockets, no event loop),
+and the body received straight into the caller's buffer (`recv_into`: no chunks, no join, the GIL released
+while waiting).
+
+It learns from the s3fs client it sits beside everything that decides where a request goes and who signs
+it: the bucket's base URL (botocore's own addressing decision: path style for an IP endpoint, virtual-host
+style on AWS, whatever the configuration says), the signing region and the credentials (refreshed through
+botocore, so profiles, environment variables, web identity and instance roles all work). Anything it does
+not handle (a bucket in another region, a proxy, a response without a length) raises `NotHandled`, and the
+caller goes back to s3fs for good.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import hmac
+import os
+import re
+import socket
+import ssl
+import threading
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import quote, urlsplit
+
+from pffs.backends.errors import ObjectChangedError
+
+EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
+MAX_HEADER_BYTES = 64 << 10
+MAX_ERROR_BODY = 64 << 10
+CREDENTIALS_REFRESH_S = 60.0  # frozen credentials are asked of botocore again after this long
+
+
+class NotHandled(Exception):
+    """This request (and the rest) should go through s3fs instead."""
+
+
+class S3ServerError(OSError):
+    """An S3 error answer. `response` has the shape of botocore's, so the retry policy classifies it
+    (5xx, 429 and SlowDown are temporary; the rest are not)."""
+
+    def __init__(self, code_errno: int, message: str, status: int = 0, error_code: str = "") -> None:
+        super().__init__(code_errno, message)
+        self.response = {"ResponseMetadata": {"HTTPStatusCode": status}, "Error": {"Code": error_code}}
+
+
+@dataclass(frozen=True)
+class Credentials:
+    access_key: str
+    secret_key: str
+    token: str | None = None
+
+    def __repr__(self) -> str:  # never print a secret
+        return f"Credentials(access_key={self.access_key[:4]}…)"
+
+
+@dataclass(frozen=True)
+class BucketEndpoint:
+    """Where a bucket's objects are: scheme, host and port to connect to, and the path prefix of a key."""
+
+    scheme: str
+    host: str  # as sent in the Host header (with the port if it is not the default)
+    connect_host: str
+    port: int
+    path_prefix: str  # "/bucket/" (path style) or "/" (virtual-host style)
+
+    @classmethod
+    def from_url(cls, base_url: str) -> BucketEndpoint:
+        parts = urlsplit(base_url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise NotHandled(f"unsupported endpoint {parts.scheme}://")
+        default = 443 if parts.scheme == "https" else 80
+        port = parts.port or default
+        host = parts.hostname if port == default else f"{parts.hostname}:{port}"
+        prefix = parts.path if parts.path.endswith("/") else parts.path + "/"
+        return cls(parts.scheme, host, parts.hostname, port, prefix)
+
+
+class SigV4:
+    """AWS Signature Version 4 for S3 GETs (headers only; the payload of a GET is empty)."""
+
+    def __init__(self, region: str) -> None:
+        self.region = region
+        self._keys: dict[tuple[str, str], bytes] = {}
+
+    def _signing_key(self, secret: str, day: str) -> bytes:
+        key = self._keys.get((secret, day))
+        if key is None:
+            key = ("AWS4" + secret).encode()
+            for part in (day, self.region, "s3", "aws4_request"):
+                key = hmac.new(key, part.encode(), hashlib.sha256).digest()
+            self._keys = {(secret, day): key}  # one day, one secret at a time
+        return key
+
+    def sign(self, creds: Credentials, host: str, path: str, query: str, now: float) -> dict[str, str]:
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(now))
+        day = stamp[:8]
+        headers = {"host": host, "x-amz-content-sha256": EMPTY_SHA256, "x-amz-date": stamp}
+        if creds.token:
+            headers["x-amz-security-token"] = creds.token
+        names = ";".join(headers)  # already lower case and sorted
+        canonical = "\n".join(
+            ["GET", path, query, *(f"{k}:{v}" for k, v in headers.items()), "", names, EMPTY_SHA256]
+        )
+        scope = f"{day}/{self.region}/s3/aws4_request"
+        to_sign = f"AWS4-HMAC-SHA256\n{stamp}\n{scope}\n{hashlib.sha256(canonical.encode()).hexdigest()}"
+        signature = hmac.new(self._signing_key(creds.secret_key, day), to_sign.encode(), hashlib.sha256)
+        headers["authorization"] = (
+            f"AWS4-HMAC-SHA256 Credential={creds.access_key}/{scope}, SignedHeaders={names}, "
+            f"Signature={signature.hexdigest()}"
+        )
+        del headers["host"]
+        return headers
+
+
+class _Connection:
+    """One keep-alive HTTP/1.1 connection, used by one thread at a time."""
+
+    def __init__(self, endpoint: BucketEndpoint, connect_timeout: float, read_timeout: float) -> None:
+        sock = socket.create_connection((endpoint.connect_host, endpoint.port), timeout=connect_timeout)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if endpoint.scheme == "https":
+            context = ssl.create_default_context(cafile=os.environ.get("AWS_CA_BUNDLE") or None)
+            sock = context.wrap_socket(sock, server_hostname=endpoint.connect_host)
+        sock.settimeout(read_timeout)
+        self.sock = sock
+        self.used = 0
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.close()
+
+
+@dataclass
+class _Response:
+    status: int
+    headers: dict[str, str]
+    early_body: bytes  # body bytes that arrived with the headers
+
+
+class NativeS3Getter:
+    """Ranged GETs of one S3 service (one endpoint, region and set of credentials)."""
+
+    def __init__(
+        self,
+        base_url_of: Callable[[str], str],
+        region: str,
+        credentials: Callable[[], Credentials | None],
+        connect_timeout: float,
+        read_timeout: float,
+    ) -> None:
+        self._base_url_of = base_url_of  # bucket -> its base URL (asks botocore, once per bucket)
+        self._signer = SigV4(region)
+        self._credentials = credentials
+        self._creds: Credentials | None = None
+        self._creds_at = -CREDENTIALS_REFRESH_S
+        self._endpoints: dict[str, BucketEndpoint] = {}
+        self._lock = threading.Lock()
+        self._local = threading.local()
+        self._pid = os.getpid()
+        self.connect_timeout = connect_timeout
+        self.read_timeout = read_timeout
+
+    def _endpoint(self, bucket: str) -> BucketEndpoint:
+        endpoint = self._endpoints.get(bucket)
+        if endpoint is None:
+            endpoint = BucketEndpoint.from_url(self._base_url_of(bucket))
+            with self._lock:
+                self._endpoints[bucket] = endpoint
+        return endpoint
+
+    def _current_credentials(self) -> Credentials | None:
+        now = time.monotonic()
+        if now - self._creds_at >= CREDENTIALS_REFRESH_S:
+            with self._lock:
+                if now - self._creds_at >= CREDENTIALS_REFRESH_S:
+                    self._creds = self._credentials()
+                    self._creds_at = now
+        return self._creds
+
+    def get(
+        self,
+        bucket: str,
+        key: str,
+        start: int,
+        into: memoryview,
+        etag: str | None = None,
+        version_id: str | None = None,
+    ) -> None:
+        """Fills `into` with bytes [start, start+len(into)) of the object, of the version given by
+        `version_id` or `etag` (ObjectChangedError if it is gone)."""
+        endpoint = self._endpoint(bucket)
+        path = endpoint.path_prefix + quote(key, safe="/~")
+        query = f"versionId={quote(version_id, safe='~')}" if version_id else ""
+        headers = {"range": f"bytes={start}-{start + len(into) - 1}"}
+        if etag and not version_id:
+            headers["if-match"] = etag
+        creds = self._current_credentials()
+        if creds is not None:
+            headers.update(self._signer.sign(creds, endpoint.host, path, query, time.time()))
+        target = path + ("?" + query if query else "")
+        request = [f"GET {target} HTTP/1.1", f"Host: {endpoint.host}", "Connection: keep-alive"]
+        request += [f"{k}: {v}" for k, v in headers.items()]
+        wire = ("\r\n".join(request) + "\r\n\r\n").encode()
+        connection, reused = self._connection(endpoint)
+        try:
+            response = self._exchange(connection, wire)
+        except (ConnectionError, _EmptyAnswer):
+            connection.close()
+            self._forget(endpoint)
+            if not reused:
+                raise
+            # A kept-alive connection the server had closed: one new connection, at once.
+            connection, _ = self._connection(endpoint)
+            try:
+                response = self._exchange(connection, wire)
+            except BaseException:
+                connection.close()
+                self._forget(endpoint)
+                raise
+        except BaseException:
+            connection.close()
+            self._forget(endpoint)
+            raise
+        try:
+            self._body(connection, response, into, etag)
+        except BaseException:
+            connection.close()
+            self._forget(endpoint)
+            raise
+        if response.headers.get("connection", "").lower() == "close":
+            connection.close()
+            self._forget(endpoint)
+
+    # Connections, one per thread and endpoint.
+
+    def _connections(self) -> dict[BucketEndpoint, _Connection]:
+        if self._pid != os.getpid():  # a forked child must not share its parent's sockets
+            self._local = threading.local()
+            self._pid = os.getpid()
+        found: dict[BucketEndpoint, _Connection] | None = getattr(self._local, "connections", None)
+        if found is None:
+            found = self._local.connections = {}
+        return found
+
+    def _connection(self, endpoint: BucketEndpoint) -> tuple[_Connection, bool]:
+        connections = self._connections()
+        connection = connections.get(endpoint)
+        if connection is not None:
+            return connection, True
+        connection = connections[endpoint] = _Connection(endpoint, self.connect_timeout, self.read_timeout)
+        return connection, False
+
+    def _forget(self, endpoint: BucketEndpoint) -> None:
+        self._connections().pop(endpoint, None)
+
+    # The wire.
+
+    @staticmethod
+    def _exchange(connection: _Connection, wire: bytes) -> _Response:
+        sock = connection.sock
+        sock.sendall(wire)
+        received = bytearray()
+        while True:
+            chunk = sock.recv(16384)
+            if not chunk:
+                if not received:
+                    raise _EmptyAnswer
+                raise ConnectionResetError(errno.ECONNRESET, "S3 closed the connection mid-answer")
+            received += chunk
+            end = received.find(b"\r\n\r\n")
+            if end >= 0:
+                break
+            if len(received) > MAX_HEADER_BYTES:
+                raise NotHandled("answer headers too long")
+        connection.used += 1
+        lines = bytes(received[:end]).decode("latin-1").split("\r\n")
+        parts = lines[0].split(" ", 2)
+        if len(parts) < 2 or not parts[0].startswith("HTTP/1.") or not parts[1].isdigit():
+            raise NotHandled(f"not an HTTP/1.1 answer: {lines[0][:80]!r}")
+        headers: dict[str, str] = {}
+        for line in lines[1:]:
+            name, _, value = line.partition(":")
+            headers[name.strip().lower()] = value.strip()
+        return _Response(int(parts[1]), headers, bytes(received[end + 4 :]))
+
+    def _body(self, connection: _Connection, response: _Response, into: memoryview, etag: str | None) -> None:
+        headers = response.headers
+        if "content-length" not in headers or "chunked" in headers.get("transfer-encoding", ""):
+            raise NotHandled("answer without a Content-Length")
+        length = int(headers["content-length"])
+        if response.status not in (200, 206):
+            wanted = min(length, MAX_ERROR_BODY) - len(response.early_body)
+            body = response.early_body + _receive(connection.sock, wanted)
+            if length > MAX_ERROR_BODY:
+                raise NotHandled("error answer too long")  # the connection is closed by the caller
+            _raise_for(response.status, body)
+        if response.status == 200 and length != len(into):
+            raise NotHandled("the server ignored the Range header")
+        if length != len(into):
+            raise OSError(errno.EIO, f"short read: {length} of {len(into)} bytes")
+        got = headers.get("etag")
+        early = response.early_body
+        into[: len(early)] = early
+        filled = len(early)
+        sock = connection.sock
+        while filled < length:
+            n = sock.recv_into(into[filled:], length - filled)
+            if n == 0:
+                raise ConnectionResetError(
+                    errno.ECONNRESET, f"S3 closed the connection after {filled} of {length} bytes"
+                )
+            filled += n
+        if etag and got is not None and got != etag:
+            raise ObjectChangedError("")  # the caller names the URL
+
+
+class _EmptyAnswer(Exception):
+    """The connection was closed before a byte of the answer came (a stale keep-alive connection)."""
+
+
+def _receive(sock: socket.socket, count: int) -> bytes:
+    parts = []
+    while count > 0:
+        chunk = sock.recv(min(count, 65536))
+        if not chunk:
+            break
+        parts.append(chunk)
+        count -= len(chunk)
+    return b"".join(parts)
+
+
+_TAG = re.compile(r"<(Code|Message|Region)>([^<]*)</\1>")
+# Answers that mean "this request should not have come here": the bucket is in another region, or the
+# server wants something this client does not do. s3fs knows how to follow them.
+REDIRECT_CODES = {
+    "PermanentRedirect",
+    "TemporaryRedirect",
+    "AuthorizationHeaderMalformed",
+    "IllegalLocationConstraintException",
+}
+
+
+def _raise_for(status: int, body: bytes) -> None:
+    fields = dict(_TAG.findall(body.decode("utf-8", "replace")))
+    code, message = fields.get("Code", ""), fields.get("Message", "")
+    if status in (301, 302, 307, 308) or code in REDIRECT_CODES:
+        raise NotHandled(f"HTTP {status} {code}")
+    if status == 404:
+        raise FileNotFoundError(errno.ENOENT, message or "no such key")
+    if status == 403:
+        raise PermissionError(errno.EACCES, f"{code}: {message}" if code else "access denied")
+    if status in (412, 416):
+        raise ObjectChangedError("")
+    raise S3ServerError(errno.EIO, f"HTTP {status} {code}: {message}".strip(), status, code)
+
+
+def native_getter_for(fs: Any) -> NativeS3Getter:
+    """The native getter for the service an s3fs filesystem talks to, set up from its botocore client:
+    the same endpoint, addressing style, region, timeouts and credentials."""
+    import botocore
+    from fsspec.asyn import sync
+
+    client = sync(fs.loop, fs.set_session)
+    config = client.meta.config
+    if getattr(config, "proxies", None):
+        raise NotHandled("a proxy is configured")
+    if config.signature_version is botocore.UNSIGNED:
+        credentials: Callable[[], Credentials | None] = lambda: None  # noqa: E731 (anonymous access)
+    else:
+        botocore_credentials = getattr(getattr(client, "_request_signer", None), "_credentials", None)
+        if botocore_credentials is None:
+            raise NotHandled("no credentials found")
+
+        def credentials() -> Credentials | None:
+            frozen = sync(fs.loop, botocore_credentials.get_frozen_credentials)
+            return Credentials(frozen.access_key, frozen.secret_key, frozen.token or None)
+
+    def base_url_of(bucket: str) -> str:
+        url = sync(
+            fs.loop,
+            client.generate_presigned_url,
+            "get_object",
+            Params={"Bucket": bucket, "Key": "k"},
+            ExpiresIn=60,
+        )
+        base = str(url).split("?", 1)[0]
+        if not base.endswith("/k"):
+            raise NotHandled("unexpected object URL form")
+        host = urlsplit(base).hostname or ""
+        scheme = urlsplit(base).scheme
+        if scheme in urllib.request.getproxies() and not urllib.request.proxy_bypass(host):
+            raise NotHandled(f"{scheme} proxy set in the environment")
+        return base[:-1]
+
+    return NativeS3Getter(
+        base_url_of,
+        client.meta.region_name or "us-east-1",
+        credentials,
+        float(config.connect_timeout),
+        float(config.read_timeout),
+    )
