@@ -60,13 +60,22 @@ class BlockCache:
         self.stats.reset_after_fork()
         self._flight.reset_after_fork()
 
-    def get(self, key: str, fetch: Callable[[], Block], *, keep_in_memory: bool = True) -> Block:
+    def get(
+        self,
+        key: str,
+        fetch: Callable[[], Block],
+        *,
+        keep_in_memory: bool = True,
+        length: int | None = None,
+    ) -> Block:
+        """The block `key`, from memory, disk or `fetch()`. `length`, if the caller knows it, lets the disk
+        tier read the block file in one call (a block of another length is corrupt)."""
         data = self.memory.get(key)
         if data is not None:
             self.stats.add("memory_hits")
             self.stats.add("bytes_from_memory", len(data))
             return data
-        return self._flight.run(key, lambda publish: self._load(key, fetch, keep_in_memory, publish))
+        return self._flight.run(key, lambda publish: self._load(key, fetch, keep_in_memory, publish, length))
 
     def get_range_if_cached(self, key: str, start: int, end: int) -> Block | None:
         """Bytes [start, end) of a cached block, from memory or from a part of its disk file (not loaded
@@ -90,47 +99,71 @@ class BlockCache:
         if self.disk is not None and self.disk.contains(key):
             return False
         misses_before = self.stats.snapshot()["misses"]
-        self._flight.run(key, lambda publish: self._load(key, fetch, False, publish))
+        self._flight.run(key, lambda publish: self._load(key, fetch, False, publish, None))
         return self.stats.snapshot()["misses"] > misses_before
 
     def _load(
-        self, key: str, fetch: Callable[[], Block], keep_in_memory: bool, publish: Callable[[Block], None]
+        self,
+        key: str,
+        fetch: Callable[[], Block],
+        keep_in_memory: bool,
+        publish: Callable[[Block], None],
+        length: int | None,
     ) -> Block:
-        data = self._from_disk(key)
+        data = self._from_disk(key, length)
         if data is None:
-            if self.locks is None:
-                return self._fetch(key, fetch, keep_in_memory, publish)
-            with self.locks.hold(key):
+            release = self.locks.acquire(key) if self.locks is not None else None
+            try:
                 # Another process may have fetched it while we waited for the lock.
-                data = self._from_disk(key)
+                data = self._from_disk(key, length) if release is not None else None
                 if data is None:
-                    # The lock is held until the block is on disk, so other processes find it there.
-                    return self._fetch(key, fetch, keep_in_memory, publish)
+                    data, release = self._fetch(key, fetch, keep_in_memory, publish, release), None
+                    return data
+            finally:
+                if release is not None:
+                    release()
         if keep_in_memory:
             self.memory.put(key, data)
         return data
 
-    def _from_disk(self, key: str) -> Block | None:
+    def _from_disk(self, key: str, length: int | None) -> Block | None:
         if self.disk is None:
             return None
-        data = self.disk.get(key)
+        data = self.disk.get(key, length=length)
         if data is not None:
             self.stats.add("disk_hits")
             self.stats.add("bytes_from_disk", len(data))
         return data
 
     def _fetch(
-        self, key: str, fetch: Callable[[], Block], keep_in_memory: bool, publish: Callable[[Block], None]
+        self,
+        key: str,
+        fetch: Callable[[], Block],
+        keep_in_memory: bool,
+        publish: Callable[[Block], None],
+        release_lock: Callable[[], None] | None,
     ) -> Block:
+        """Fetches the block, hands it to the readers, and has it written to disk; the cross-process lock
+        is released once the block is on disk, so other processes find it there."""
         data = fetch()
         self.stats.add("misses")
         self.stats.add("bytes_fetched", len(data))
         if keep_in_memory:
             self.memory.put(key, data)
         publish(data)  # readers of this process go on while the block is written to disk
-        if self.disk is not None:
-            self.disk.put(key, data)
+        if self.disk is None:
+            if release_lock is not None:
+                release_lock()
+            return data
+        written = self.disk.put_later(key, data, then=release_lock)
+        if not keep_in_memory and written is not None:
+            written.result()  # warm-up: on disk before the caller goes on
         return data
+
+    def wait_for_disk(self) -> None:
+        """Returns once every block fetched so far is on disk (or failed to get there)."""
+        if self.disk is not None:
+            self.disk.writer.drain()
 
     def discard(self, key: str) -> None:
         self.memory.discard(key)

@@ -1,6 +1,12 @@
-"""diskcache's Disk, taught to write a block file in place: header and payload go to the file with two
-write calls, without first joining them into one buffer and copying that through a BytesIO (which halved
-write throughput for 4 MiB blocks). Everything else — names, the SQLite row, reads — is diskcache's own.
+"""The disk tier's files and index: diskcache's SQLite index (sizes, access times, least-recently-used
+eviction, cross-process transactions) over block files whose names follow from their keys.
+
+Because a block's file name is a hash of its key, a read needs no index lookup: it opens the file (a miss
+is ENOENT) and reads header and payload in one pread. The index is written (one transaction per batch of
+blocks, by the disk writer) and read only to account and evict. A block file is written under a temporary
+name and renamed into place, so a reader finds a whole file or none; the checksums catch anything else.
+Two processes writing the same key write the same bytes (keys name a version of an object), so whichever
+rename lands last is as good as the first.
 
 A payload in a page-aligned buffer (the S3 client reads blocks into such buffers) is written with O_DIRECT:
 the disk reads it from our memory, and the kernel does not first copy it into fresh page-cache pages (that
@@ -15,15 +21,17 @@ import contextlib
 import ctypes
 import errno
 import fcntl
+import hashlib
 import mmap
 import os
+import threading
 import time
 from typing import Any
 
 import diskcache
 from diskcache.core import MODE_BINARY, UNKNOWN
 
-from .block_format import CorruptBlockError, block_header, read_block_file, read_block_range
+from .block_format import block_header, read_block_file, read_block_range
 
 
 class BlockPayload:
@@ -39,24 +47,27 @@ class BlockDisk(diskcache.Disk):
     def store(self, value: Any, read: bool, key: Any = UNKNOWN) -> tuple[int, int, str | None, Any]:
         if not isinstance(value, BlockPayload):
             return super().store(value, read, key=key)
-        filename, full_path = self.filename(key, value)
-        os.makedirs(os.path.dirname(full_path), exist_ok=True)
+        filename = block_filename(key)
+        full_path = os.path.join(self._directory, filename)
+        temporary = f"{full_path}.{os.getpid()}.{threading.get_ident()}.tmp"
         header = block_header(value.data)
         payload = memoryview(value.data).cast("B")
         direct = self.direct_io and len(payload) >= PAGE and _page_aligned(payload)
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
-        fd = os.open(full_path, flags | (os.O_DIRECT if direct else 0), 0o644)
+        fd = _create(temporary, os.O_DIRECT if direct else 0)
         try:
             if direct:
                 direct = self._write_direct(fd, header, payload)
             if not direct:
                 _write_all(fd, [memoryview(header), payload], 0)
-        except BaseException:
             os.close(fd)
+            fd = -1
+            os.rename(temporary, full_path)
+        except BaseException:
+            if fd >= 0:
+                os.close(fd)
             with contextlib.suppress(OSError):
-                os.unlink(full_path)  # no orphan half-file: diskcache never learned its name
+                os.unlink(temporary)
             raise
-        os.close(fd)
         return len(header) + len(value.data), MODE_BINARY, filename, None
 
     # Whether to try O_DIRECT; switched off for good by the first refusal (EINVAL: not supported here).
@@ -98,6 +109,18 @@ def _aligned_copy(data: bytes) -> memoryview:
     return memoryview(buffer)
 
 
+def _create(path: str, extra_flags: int) -> int:
+    """Creates (or truncates) a file for writing, making its folder if needed. diskcache removes folders
+    that an eviction left empty, so a folder made here may vanish before the file is made: try again."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | extra_flags
+    for _ in range(5):
+        try:
+            return os.open(path, flags, 0o644)
+        except FileNotFoundError:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+    return os.open(path, flags, 0o644)
+
+
 def _write_all(fd: int, parts: list[memoryview], offset: int) -> None:
     """Writes the parts one after the other from `offset`, however the kernel splits the writes."""
     for part in parts:
@@ -107,44 +130,76 @@ def _write_all(fd: int, parts: list[memoryview], offset: int) -> None:
             offset += written
 
 
-class BlockStore(diskcache.Cache):
-    """diskcache.Cache with a read path that does not take SQLite's write lock.
+def block_filename(key: str) -> str:
+    """Where a block lives, relative to the store's directory: two levels of 256 folders."""
+    digest = hashlib.blake2b(key.encode(), digest_size=16).hexdigest()
+    return f"{digest[:2]}/{digest[2:4]}/{digest}.blk"
 
-    With the least-recently-used policy, diskcache's own get() updates the row's access time in a write
-    transaction and reads the value file while holding it, so parallel readers (read-ahead threads, other
-    processes) queue behind each other: 8 threads read cold blocks at half the speed of one. get_block()
-    instead looks the row up without a transaction and records the access; the access times are written
-    in one batched UPDATE at most every TOUCH_FLUSH_S seconds (and before every cull), so eviction order
-    is least-recently-used to within that interval.
+
+class BlockStore(diskcache.Cache):
+    """diskcache.Cache whose blocks are read without touching SQLite.
+
+    get_block() opens the block's file by name (see block_filename) and records the access; access times
+    are written in one batched UPDATE at most every TOUCH_FLUSH_S seconds (and before every cull), so
+    eviction order is least-recently-used to within that interval. A file that has no row (its process
+    died between the rename and the commit) is still a correct block; `pffs cache gc` removes such files.
     """
 
     TOUCH_FLUSH_S = 2.0
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self._touched: dict[int, float] = {}
+        self._touched: dict[str, float] = {}
         self._next_touch_flush = time.monotonic() + self.TOUCH_FLUSH_S
         super().__init__(*args, **kwargs)
 
-    def get_block(self, key: str, start: int = 0, end: int | None = None) -> bytes | None:
+    def block_path(self, key: str) -> str:
+        return os.path.join(self.directory, block_filename(key))
+
+    def get_block(
+        self, key: str, start: int = 0, end: int | None = None, length: int | None = None
+    ) -> bytes | memoryview | None:
         """The block's verified payload (or bytes [start, end) of it, verifying only the segments read),
         None if absent; CorruptBlockError if its file is damaged."""
-        db_key, raw = self._disk.put(key)
-        select = "SELECT rowid, filename FROM Cache WHERE key = ? AND raw = ?"
-        rows = self._sql(select, (db_key, raw)).fetchall()
-        if not rows:
-            return None
-        ((rowid, filename),) = rows
-        if filename is None:
-            raise CorruptBlockError("block stored without a file")
-        path = os.path.join(self.directory, filename)
+        path = self.block_path(key)
         try:
-            data = read_block_file(path) if end is None else read_block_range(path, start, end)
+            data = read_block_file(path, length) if end is None else read_block_range(path, start, end)
         except FileNotFoundError:
-            return None  # evicted between the lookup and the read
-        self._touched[rowid] = time.time()
+            return None
+        self._touched[key] = time.time()
         if time.monotonic() >= self._next_touch_flush:
             self.flush_touches()
         return data
+
+    def has_block(self, key: str) -> bool:
+        return os.path.exists(self.block_path(key))
+
+    def delete_block(self, key: str) -> None:
+        """Drops the block: its row (and file), and its file even if it has no row."""
+        self.delete(key, retry=True)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.block_path(key))
+
+    def put_blocks(self, blocks: list[tuple[str, BlockPayload]]) -> None:
+        """Stores the blocks (replacing any under the same keys): their files first, then one transaction
+        for all their rows, so the SQLite write lock is taken once per batch and held only for the rows."""
+        now = time.time()
+        rows = []
+        for key, payload in blocks:
+            db_key, raw = self._disk.put(key)
+            size, mode, filename, value = self._disk.store(payload, False, key=key)
+            rows.append((db_key, raw, (None, None, size, mode, filename, value)))
+        try:
+            with self._transact(retry=True) as (sql, _):
+                for db_key, raw, columns in rows:
+                    found = sql("SELECT rowid FROM Cache WHERE key = ? AND raw = ?", (db_key, raw)).fetchall()
+                    if found:  # the same key: the same file name, just written again
+                        self._row_update(found[0][0], now, columns)
+                    else:
+                        self._row_insert(db_key, raw, now, columns)
+        except BaseException:
+            for _, _, columns in rows:
+                self._disk.remove(columns[4])  # no file without a row
+            raise
 
     def flush_touches(self) -> None:
         touched, self._touched = self._touched, {}
@@ -152,8 +207,9 @@ class BlockStore(diskcache.Cache):
         if not touched:
             return
         with self._transact(retry=True) as (sql, _):
-            for rowid, when in touched.items():
-                sql("UPDATE Cache SET access_time = ? WHERE rowid = ?", (when, rowid))
+            for key, when in touched.items():
+                db_key, raw = self._disk.put(key)
+                sql("UPDATE Cache SET access_time = ? WHERE key = ? AND raw = ?", (when, db_key, raw))
 
     def cull(self, retry: bool = False) -> int:
         self.flush_touches()

@@ -95,14 +95,25 @@ def _read_header(fd: int) -> tuple[int, list[int], int]:
     return length, digests, size
 
 
-def read_block_file(path: str) -> bytes:
-    """The verified payload of a block file, read straight into its own bytes object (no slicing copy)."""
+def read_block_file(path: str, expected_length: int | None = None) -> bytes | memoryview:
+    """The verified payload of a block file. With its expected length, header and payload come in one
+    pread (a view past the header: no copy); else the header first, then the payload into its own bytes."""
+    payload: bytes | memoryview
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        length, digests, size = _read_header(fd)
-        payload = os.pread(fd, length + 1, size)  # one byte more: a longer file is corrupt too
+        if expected_length is not None:
+            size = header_size(expected_length)
+            whole = os.pread(fd, size + expected_length + 1, 0)  # one byte more: a longer file is corrupt
+        else:
+            length, digests, size = _read_header(fd)
+            payload = os.pread(fd, length + 1, size)
     finally:
         os.close(fd)
+    if expected_length is not None:
+        length, digests = parse_header(whole[:size])
+        if length != expected_length:
+            raise CorruptBlockError(f"block of {length} bytes where {expected_length} were expected")
+        payload = memoryview(whole)[size:]
     if len(payload) != length:
         raise CorruptBlockError(f"block truncated or too long: {len(payload)} bytes, header says {length}")
     check_segments(digests, 0, payload)

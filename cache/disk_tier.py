@@ -11,16 +11,20 @@ from __future__ import annotations
 import logging
 import sqlite3
 import time
+from concurrent.futures import Future
 from pathlib import Path
 
 from .block_disk import BlockDisk, BlockPayload, BlockStore
 from .block_format import CorruptBlockError, is_intact
+from .disk_writer import Block, DiskWriter, Then
 from .stats import CacheStats
 
 log = logging.getLogger(__name__)
 
 # After a failed write, try writing again only after this many seconds (the disk may have been freed).
 WRITE_RETRY_AFTER_S = 30.0
+# Blocks waiting for the disk writer, at most (then fetching threads wait for the disk).
+WRITE_BEHIND_BYTES = 256 << 20
 
 
 class DiskTier:
@@ -39,11 +43,15 @@ class DiskTier:
             statistics=False,
             tag_index=False,
         )
+        self.writer = DiskWriter(self._put_batch, WRITE_BEHIND_BYTES)
 
-    def get(self, key: str, start: int = 0, end: int | None = None) -> bytes | None:
-        """The block, or bytes [start, end) of it; None if it is not here (or was corrupt: dropped)."""
+    def get(
+        self, key: str, start: int = 0, end: int | None = None, length: int | None = None
+    ) -> Block | None:
+        """The block (of `length` bytes, if given), or bytes [start, end) of it; None if it is not here
+        (or was corrupt: dropped)."""
         try:
-            return self._cache.get_block(key, start, end)
+            return self._cache.get_block(key, start, end, length)
         except (OSError, sqlite3.Error) as exc:
             log.warning("disk cache read failed for block %s: %s; reading from the backend", key, exc)
             return None
@@ -54,21 +62,32 @@ class DiskTier:
             return None
 
     def contains(self, key: str) -> bool:
-        try:
-            return key in self._cache
-        except (OSError, sqlite3.Error):
-            return False
+        return self._cache.has_block(key)
 
     def put(self, key: str, payload: bytes | memoryview) -> bool:
-        """Stores a block; returns False (and serves on without the disk) if the disk refuses it."""
+        """Stores a block now; returns False (and serves on without the disk) if the disk refuses it."""
+        return self._put_batch([(key, payload)])
+
+    def put_later(
+        self, key: str, payload: bytes | memoryview, then: Then | None = None
+    ) -> Future[bool] | None:
+        """Stores a block from the writer thread, batched with others; `then` runs once it is written (or
+        failed). None if disk writes are off for now (then `then` has run already)."""
+        if time.monotonic() < self._writes_disabled_until:
+            if then is not None:
+                then()
+            return None
+        return self.writer.submit(key, payload, then)
+
+    def _put_batch(self, blocks: list[tuple[str, bytes | memoryview]]) -> bool:
         if time.monotonic() < self._writes_disabled_until:
             return False
         try:
-            self._cache.set(key, BlockPayload(payload), retry=True)
+            self._cache.put_blocks([(key, BlockPayload(payload)) for key, payload in blocks])
             if self._cache.volume() > self.capacity_bytes:
                 self.stats.add("disk_evictions", self._cache.cull(retry=True))
         except (OSError, sqlite3.Error) as exc:
-            self.stats.add("disk_write_failures")
+            self.stats.add("disk_write_failures", len(blocks))
             self._writes_disabled_until = time.monotonic() + WRITE_RETRY_AFTER_S
             if not self._warned:
                 self._warned = True
@@ -83,7 +102,7 @@ class DiskTier:
 
     def discard(self, key: str) -> None:
         try:
-            self._cache.delete(key, retry=True)
+            self._cache.delete_block(key)
         except (OSError, sqlite3.Error) as exc:
             log.warning("could not delete cached block %s: %s", key, exc)
 
@@ -110,6 +129,7 @@ class DiskTier:
         return {"evicted": evicted, "corrupt": corrupt}
 
     def close(self) -> None:
+        self.writer.drain()
         try:
             self._cache.flush_touches()
         finally:

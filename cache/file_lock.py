@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import os
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 STRIPES = 1024
@@ -24,10 +25,19 @@ class StripedFileLocks:
 
     @contextlib.contextmanager
     def hold(self, key: str) -> Iterator[None]:
+        release = self.acquire(key)
+        try:
+            yield
+        finally:
+            release()
+
+    def acquire(self, key: str) -> Callable[[], None]:
+        """Takes the key's lock; returns the function that releases it (from any thread, once)."""
         stripe = zlib.crc32(key.encode()) % STRIPES
         fd = os.open(self.directory / f"{stripe:04d}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
-            yield
-        finally:
-            os.close(fd)  # closing the descriptor releases the lock
+        except BaseException:
+            os.close(fd)
+            raise
+        return functools.partial(os.close, fd)  # closing the descriptor releases the lock

@@ -23,7 +23,7 @@ KIB = 1024
 
 
 def block_files(cache_dir: Path) -> list[Path]:
-    return sorted((cache_dir / "blocks").rglob("*.val"))
+    return sorted((cache_dir / "blocks").rglob("*.blk"))
 
 
 def test_memory_tier_is_bounded_and_evicts_least_recently_used() -> None:
@@ -126,6 +126,7 @@ def test_corrupt_and_truncated_block_files_are_dropped_and_fetched_again(tmp_pat
     good = os.urandom(100 * KIB)
     cache.get("a", lambda: good)
     cache.get("b", lambda: good)
+    cache.wait_for_disk()  # blocks are written behind the readers
     files = block_files(tmp_path)
     assert len(files) == 2
     data = bytearray(files[0].read_bytes())
@@ -140,6 +141,7 @@ def test_corrupt_and_truncated_block_files_are_dropped_and_fetched_again(tmp_pat
     assert len(refetched) == 2
     assert cache.stats.snapshot()["corrupt_blocks"] == 2
     # and now they are good again on disk
+    cache.wait_for_disk()
     assert bytes(cache.get("a", lambda: pytest.fail("should be cached again"))) == good
 
 
@@ -147,6 +149,7 @@ def test_range_reads_from_disk_verify_their_segments(tmp_path: Path) -> None:
     cache = BlockCache(tmp_path, disk_capacity_bytes=10 << 20, memory_capacity_bytes=0)
     good = os.urandom(1000 * KIB)  # 8 segments of 128 KiB
     cache.get("a", lambda: good)
+    cache.wait_for_disk()
     rng = random.Random(2)
     for _ in range(200):
         start = rng.randrange(len(good))
@@ -168,6 +171,7 @@ def test_disk_tier_stays_within_its_byte_bound(tmp_path: Path) -> None:
     cache = BlockCache(tmp_path, disk_capacity_bytes=capacity, memory_capacity_bytes=0)
     for i in range(60):  # 15 MiB through a 4 MiB cache
         cache.get(f"k{i}", lambda: os.urandom(256 * KIB))
+        cache.wait_for_disk()
         assert cache.disk is not None
         assert cache.disk.used_bytes() <= capacity
     assert cache.stats.snapshot()["disk_evictions"] > 40
@@ -216,6 +220,7 @@ def test_full_cache_disk_still_serves_reads_and_warns_once(
     with caplog.at_level(logging.WARNING):
         for key, payload in payloads.items():
             assert bytes(cache.get(key, lambda p=payload: p)) == payload
+        cache.wait_for_disk()
     warnings = [r for r in caplog.records if "cannot write to the disk cache" in r.getMessage()]
     assert len(warnings) == 1
     assert cache.stats.snapshot()["disk_write_failures"] >= 1

@@ -8,6 +8,7 @@ starts (pffs.fuse.daemon); `ready` tells the caller the mount is up, or why it c
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import faulthandler
 import logging
 import os
@@ -36,6 +37,7 @@ def serve(options: MountOptions, ready: Callable[[], None]) -> int:
     """Mounts and serves until unmounted (exit 0) or until SIGTERM/SIGINT (unmounts, exit 0). Raises
     before `ready` if the mount cannot be made (bad source, credentials, mountpoint)."""
     faulthandler.register(signal.SIGUSR1, all_threads=True)
+    keep_freed_memory()
     with contextlib.ExitStack() as stack:
         backend, root = open_backend(options.source, options.backend)
         vfs = Vfs(backend, options.cache)
@@ -52,6 +54,7 @@ def serve(options: MountOptions, ready: Callable[[], None]) -> int:
             )
         namespace = Namespace(vfs, staging, negative_ttl_s=options.attr_ttl)
         operations = Operations(namespace, root, options)
+        stack.callback(operations.close)
 
         pyfuse3.init(operations, str(options.mountpoint), fuse_options(options))
         stack.callback(pyfuse3.close, unmount=True)
@@ -82,6 +85,24 @@ async def _terminate_on_signal() -> None:
             log.info("%s: uploading what is pending, then unmounting", signal.Signals(signum).name)
             pyfuse3.terminate()
             return
+
+
+def keep_freed_memory() -> None:
+    """Has glibc's malloc keep freed memory for reuse instead of handing it back to the kernel at once.
+    Block buffers (128 KiB to 4 MiB) come and go all the time; by default each thread's arena grows and
+    shrinks with them (an mprotect or mmap/munmap per read, and fresh pages to fault in). The memory tier
+    and the read-ahead budget bound what is live, so what is kept is bounded too."""
+    try:
+        libc = ctypes.CDLL(None)
+        libc.mallopt(M_MMAP_THRESHOLD, 32 << 20)
+        libc.mallopt(M_TRIM_THRESHOLD, 256 << 20)
+        libc.mallopt(M_ARENA_MAX, 4)
+    except (OSError, AttributeError) as exc:  # not glibc
+        log.debug("malloc tuning not available: %s", exc)
+
+
+# mallopt(3) parameters
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -3, -8
 
 
 def fuse_options(options: MountOptions) -> set[str]:

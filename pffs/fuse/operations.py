@@ -1,8 +1,8 @@
 """The pyfuse3 Operations: thin async handlers over the namespace, the VFS and staging.
 
 Every handler goes through `fuse_errors`, so only FUSEError leaves it (anything else would end the mount).
-Work that may wait on the backend or the disk cache runs in worker threads (`trio.to_thread`, one limiter
-per resource); reads and lookups that the caches answer at once stay on the event loop, since a thread hop
+Work that may wait on the backend or the disk cache runs in worker threads (pffs.fuse.workers, one set per
+resource); reads and lookups that the caches answer at once stay on the event loop, since a thread hop
 costs more than the read itself.
 """
 
@@ -27,6 +27,7 @@ from pffs.backends.backend import ObjectInfo
 from pffs.backends.errors import ObjectChangedError
 from pffs.backends.retry import describe
 from pffs.fuse.options import MountOptions
+from pffs.fuse.workers import WorkerThreads
 from pffs.vfs import OpenObject
 from pffs.vfs.inodes import ROOT_INODE, InodeTable
 from pffs.vfs.namespace import UNKNOWN, Namespace
@@ -39,6 +40,9 @@ T = TypeVar("T")
 XATTR_PREFIX = "user.pffs."
 NOMINAL_CAPACITY = 1 << 50  # the backend has no size: report 1 PiB
 STATFS_BLOCK = 4096
+# Reads that wait for the disk or the backend, at once. More threads fight more for the GIL: 8 keep the
+# disk and the network busy for 8 parallel readers of small files.
+READ_THREADS = 8
 
 
 def fuse_errors(handler: Callable[P, Coroutine[Any, Any, T]]) -> Callable[P, Coroutine[Any, Any, T]]:
@@ -105,11 +109,12 @@ class Operations(pyfuse3.Operations):
         self._handles = itertools.count(1)
         self._opened_version: dict[int, str] = {}  # inode -> identity at its last open (keep_cache)
         self._mtime_set: dict[str, int] = {}  # utimens on stored objects (S3 cannot store it)
-        self.backend_limiter = trio.CapacityLimiter(max(4, options.cache.fetch_workers))
-        self.read_limiter = trio.CapacityLimiter(max(8, options.cache.fetch_workers * 2))
+        # Two sets of threads, so reads never queue behind slow backend calls (uploads, listings).
+        self.backend_threads = WorkerThreads("pffs-backend", max(4, options.cache.fetch_workers))
+        self.read_threads = WorkerThreads("pffs-read", READ_THREADS)
 
     async def _backend(self, fn: Callable[..., T], *args: Any) -> T:
-        return await trio.to_thread.run_sync(fn, *args, limiter=self.backend_limiter)
+        return await self.backend_threads.run(fn, *args)
 
     # Attributes
 
@@ -311,9 +316,7 @@ class Operations(pyfuse3.Operations):
         old = self._child(parent_inode_old, name_old)
         new = self._child(parent_inode_new, name_new)
         replace = not flags & pyfuse3.RENAME_NOREPLACE
-        await trio.to_thread.run_sync(
-            functools.partial(self.ns.rename, old, new, replace=replace), limiter=self.backend_limiter
-        )
+        await self._backend(functools.partial(self.ns.rename, old, new, replace=replace))
         self.inodes.rename(old, new)
 
     @fuse_errors
@@ -382,9 +385,7 @@ class Operations(pyfuse3.Operations):
         data = handle.reader.read_now(off, size)
         if data is None:
             try:
-                data = await trio.to_thread.run_sync(
-                    handle.reader.read_view, off, size, limiter=self.read_limiter
-                )
+                data = await self.read_threads.run(handle.reader.read_view, off, size)
             except ObjectChangedError:
                 # This handle stays pinned to its version (ESTALE); the next open sees the new one.
                 self.ns.forget(handle.path)
@@ -486,6 +487,10 @@ class Operations(pyfuse3.Operations):
     @fuse_errors
     async def removexattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
         raise OSError(errno.ENOTSUP, "extended attributes cannot be removed")
+
+    def close(self) -> None:
+        self.read_threads.close()
+        self.backend_threads.close()
 
     def report(self) -> dict[str, Any]:
         """What `pffs stats MOUNTPOINT` and /metrics show."""

@@ -67,7 +67,9 @@ class ObjectReader:
 
     def block(self, info: ObjectInfo, index: int) -> Block:
         start, end = self.block_range(info, index)
-        return self.cache.get(self.key(info, index), lambda: self.backend.read_range(info, start, end))
+        return self.cache.get(
+            self.key(info, index), lambda: self.backend.read_range(info, start, end), length=end - start
+        )
 
     def read(self, info: ObjectInfo, offset: int, length: int, state: ReadAheadState | None = None) -> bytes:
         """Bytes [offset, offset+length) of the version `info` names, clipped at the end of the object."""
