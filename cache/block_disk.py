@@ -26,12 +26,13 @@ import mmap
 import os
 import threading
 import time
+from collections import OrderedDict
 from typing import Any
 
 import diskcache
 from diskcache.core import MODE_BINARY, UNKNOWN
 
-from .block_format import block_header, read_block_file, read_block_range
+from .block_format import Header, block_header, read_block_file, read_block_range
 
 
 class BlockPayload:
@@ -146,9 +147,11 @@ class BlockStore(diskcache.Cache):
     """
 
     TOUCH_FLUSH_S = 2.0
+    HEADERS_KEPT = 4096  # parsed headers of recently range-read blocks (a block's header never changes)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._touched: dict[str, float] = {}
+        self._headers: OrderedDict[str, Header] = OrderedDict()
         self._next_touch_flush = time.monotonic() + self.TOUCH_FLUSH_S
         super().__init__(*args, **kwargs)
 
@@ -161,8 +164,15 @@ class BlockStore(diskcache.Cache):
         """The block's verified payload (or bytes [start, end) of it, verifying only the segments read),
         None if absent; CorruptBlockError if its file is damaged."""
         path = self.block_path(key)
+        data: bytes | memoryview
         try:
-            data = read_block_file(path, length) if end is None else read_block_range(path, start, end)
+            if end is None:
+                data = read_block_file(path, length)
+            else:
+                data, header = read_block_range(path, start, end, self._headers.pop(key, None))
+                self._headers[key] = header  # a key names its bytes: the header stays true
+                if len(self._headers) > self.HEADERS_KEPT:
+                    self._headers.popitem(last=False)
         except FileNotFoundError:
             return None
         self._touched[key] = time.time()

@@ -1,28 +1,37 @@
-"""How a block is laid out on disk: a header with its length and one checksum per 128 KiB segment, padded
+"""How a block is laid out on disk: a header with its length and one checksum per 32 KiB segment, padded
 with zeros to a multiple of 4 KiB, then the bytes.
 
 The padding puts the payload on a page boundary of the file, so a block whose buffer is page-aligned can be
 written with O_DIRECT (see block_disk): straight from memory to the disk, without first being copied into
 the kernel's page cache, which costs more CPU than the network transfer that brought the block.
 
-Per-segment checksums let a random read verify just the segments it needs (a 128 KiB pread of a 4 MiB block
-reads and hashes 128-256 KiB, not 4 MiB). A block that is truncated, bit-flipped, written by something else
-or in an older layout fails its check and is never served.
+Per-segment checksums let a random read verify just the segments it needs (a 128 KiB pread of a 4 MiB
+block reads and hashes 128-160 KiB, not 4 MiB). Reads bypass the page cache (O_DIRECT into page-aligned
+buffers): the kernel would otherwise read ahead up to the disk's read-ahead (8 MiB here) and fill fresh
+page-cache pages, which made a 256 KiB random read take 0.53 ms instead of 0.30.
+
+A block that is truncated, bit-flipped, written by something else or in an older layout fails its check
+and is never served.
 """
 
 from __future__ import annotations
 
+import errno
+import mmap
 import os
 import struct
+import threading
 
 import xxhash
+
+from .aligned import aligned_buffer
 
 MAGIC = b"PFB3"
 FIXED = struct.Struct("<4sQI")  # magic, payload length, segment count
 DIGEST = struct.Struct("<Q")  # xxh3-64 of one segment
-SEGMENT = 128 << 10
+SEGMENT = 32 << 10
 HEADER_ALIGN = 4096
-FIRST_READ = 8192  # one pread gets the header of any block up to 128 MiB
+FIRST_READ = 8192  # one pread gets the header of any block up to 32 MiB
 
 
 class CorruptBlockError(ValueError):
@@ -86,31 +95,40 @@ def unpack_block(stored: bytes) -> memoryview:
 
 
 def _read_header(fd: int) -> tuple[int, list[int], int]:
-    head = os.pread(fd, FIRST_READ, 0)
+    """Works on a file opened with O_DIRECT too: reads whole pages into an aligned buffer."""
+    head = _pread_aligned(fd, FIRST_READ)
     length = FIXED.unpack_from(head)[1] if len(head) >= FIXED.size else 0
     size = header_size(length)
     if size > len(head) and len(head) == FIRST_READ:
-        head = os.pread(fd, size, 0)
+        head = _pread_aligned(fd, size)
     length, digests = parse_header(head[:size])
     return length, digests, size
+
+
+def _pread_aligned(fd: int, size: int) -> bytes:
+    """The first `size` bytes of the file (fewer if it is shorter); `size` a multiple of ALIGN."""
+    buffer = _scratch(size)[:size]
+    return bytes(buffer[: os.preadv(fd, [buffer], 0)])
 
 
 def read_block_file(path: str, expected_length: int | None = None) -> bytes | memoryview:
     """The verified payload of a block file. With its expected length, header and payload come in one
     pread (a view past the header: no copy); else the header first, then the payload into its own bytes."""
     payload: bytes | memoryview
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    fd = _open_direct(path) if expected_length is not None else os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         if expected_length is not None:
             size = header_size(expected_length)
-            whole = os.pread(fd, size + expected_length + 1, 0)  # one byte more: a longer file is corrupt
+            # One page more than the block: a longer file is corrupt too.
+            whole = aligned_buffer(size + -(-expected_length // ALIGN) * ALIGN + ALIGN)
+            whole = whole[: os.preadv(fd, [whole], 0)]
         else:
             length, digests, size = _read_header(fd)
             payload = os.pread(fd, length + 1, size)
     finally:
         os.close(fd)
     if expected_length is not None:
-        length, digests = parse_header(whole[:size])
+        length, digests = parse_header(bytes(whole[:size]))
         if length != expected_length:
             raise CorruptBlockError(f"block of {length} bytes where {expected_length} were expected")
         payload = memoryview(whole)[size:]
@@ -120,24 +138,57 @@ def read_block_file(path: str, expected_length: int | None = None) -> bytes | me
     return payload
 
 
-def read_block_range(path: str, start: int, end: int) -> bytes:
-    """Bytes [start, end) of a block file's payload, reading and verifying only the segments they lie in."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+Header = tuple[int, list[int], int]  # payload length, segment digests, payload offset
+
+
+def read_block_range(path: str, start: int, end: int, header: Header | None = None) -> tuple[bytes, Header]:
+    """Bytes [start, end) of a block file's payload, reading and verifying only the segments they lie in,
+    and the file's header (pass it back next time to skip reading it: a random read then costs one disk
+    read, not two)."""
+    fd = _open_direct(path)
     try:
-        length, digests, size = _read_header(fd)
+        length, digests, size = header = header or _read_header(fd)
         end = min(end, length)
         if start >= end:
-            return b""
+            return b"", header
         first, last = start // SEGMENT, (end - 1) // SEGMENT
         want = min(length, (last + 1) * SEGMENT) - first * SEGMENT
-        data = os.pread(fd, want, size + first * SEGMENT)
+        data = _scratch(want)
+        got = os.preadv(fd, [data[: -(-want // ALIGN) * ALIGN]], size + first * SEGMENT)
     finally:
         os.close(fd)
-    if len(data) != want:
-        raise CorruptBlockError(f"block truncated: {len(data)} of {want} bytes")
-    check_segments(digests, first, data)
+    if got < want:
+        raise CorruptBlockError(f"block truncated: {got} of {want} bytes")
+    check_segments(digests, first, data[:want])
     offset = start - first * SEGMENT
-    return data[offset : offset + end - start] if (offset, end - start) != (0, len(data)) else data
+    return bytes(data[offset : offset + end - start]), header
+
+
+ALIGN = 4096
+_local = threading.local()
+
+
+def _scratch(size: int) -> memoryview:
+    """This thread's page-aligned read buffer, at least `size` bytes rounded up to a page."""
+    buffer: mmap.mmap | None = getattr(_local, "buffer", None)
+    if buffer is None or len(buffer) < size + ALIGN:
+        buffer = _local.buffer = mmap.mmap(-1, max(1 << 20, -(-(size + ALIGN) // ALIGN) * ALIGN))
+    return memoryview(buffer)
+
+
+_direct_reads = True  # off for good once the file system refuses O_DIRECT
+
+
+def _open_direct(path: str) -> int:
+    global _direct_reads
+    if _direct_reads:
+        try:
+            return os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECT)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+            _direct_reads = False
+    return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
 
 
 def is_intact(stored: bytes) -> bool:

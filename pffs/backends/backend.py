@@ -19,7 +19,6 @@ from typing import Any, TypeVar
 import fsspec
 from fsspec.asyn import sync
 
-from pffs.backends.buffers import aligned_buffer
 from pffs.backends.errors import ObjectChangedError
 from pffs.backends.identity import identity_token, mtime_seconds
 from pffs.backends.request_stats import RequestStats
@@ -144,8 +143,9 @@ class Backend:
     # False for object stores, where a prefix exists only while an object is under it.
     has_real_directories = True
 
-    def read_range(self, info: ObjectInfo, start: int, end: int) -> Block:
-        """Bytes [start, end) of exactly the version `info` describes, or ObjectChangedError."""
+    def read_range(self, info: ObjectInfo, start: int, end: int, into: memoryview | None = None) -> Block:
+        """Bytes [start, end) of exactly the version `info` describes, or ObjectChangedError. A backend
+        that can receive straight into `into` (end - start bytes) does, and returns it."""
 
         def read() -> bytes:
             data = self.fs.cat_file(info.path, start=start, end=end)
@@ -184,19 +184,19 @@ class S3Backend(Backend):
         self._native: NativeS3Getter | None = None
         self._native_pid = 0
 
-    def read_range(self, info: ObjectInfo, start: int, end: int) -> Block:
+    def read_range(self, info: ObjectInfo, start: int, end: int, into: memoryview | None = None) -> Block:
         native = self._native_getter()
         if native is not None:
             fs: Any = self.fs
             bucket, key, _ = fs.split_path(info.path)
 
             def read_native() -> Block:
-                into = aligned_buffer(end - start)
+                buffer = into if into is not None else memoryview(bytearray(end - start))
                 try:
-                    native.get(bucket, key, start, into, etag=info.etag, version_id=info.version_id)
+                    native.get(bucket, key, start, buffer, etag=info.etag, version_id=info.version_id)
                 except ObjectChangedError:
                     raise ObjectChangedError(self.url(info.path)) from None
-                return into
+                return buffer
 
             try:
                 return self._call("get", read_native, info.path)

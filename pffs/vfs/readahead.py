@@ -11,6 +11,8 @@ from concurrent.futures import Future
 
 from pffs.cache import Block
 
+MIN_RUN = 256 << 10
+
 
 class ReadAheadBudget:
     """Bytes of read-ahead in flight in this process, bounded."""
@@ -46,10 +48,13 @@ class ReadAheadState:
     def __init__(self, max_window_blocks: int, slack_bytes: int = 0) -> None:
         self.max_window_blocks = max(0, max_window_blocks)
         # Reads within this distance of where the last one ended still count as sequential: the kernel
-        # sends a FUSE file's read-ahead as several 128 KiB requests at once, which arrive in any order.
+        # sends a FUSE file's read-ahead as several requests at once, which arrive in any order.
         self.slack_bytes = slack_bytes
         self.window_blocks = 0
         self.next_offset = 0
+        # Bytes read one after the other since the last seek. Read-ahead starts only past MIN_RUN: the
+        # kernel splits some random 128 KiB reads in two requests, which would look sequential.
+        self.run_bytes = 0
         self.scheduled_up_to = -1  # highest block index already handed to the prefetcher
         self.pending: dict[int, Future[Block]] = {}
         self.lock = threading.Lock()  # a handle may be read from several threads (FUSE does)
@@ -69,10 +74,13 @@ class ReadAheadState:
     def on_read(self, offset: int, end: int, last_block: int) -> range:
         """Records a read of [offset, end) and returns the block indexes to prefetch now."""
         if abs(offset - self.next_offset) <= self.slack_bytes and self.max_window_blocks:
-            self.window_blocks = min(self.max_window_blocks, max(1, self.window_blocks * 2))
+            self.run_bytes += end - offset
+            if self.run_bytes >= MIN_RUN:
+                self.window_blocks = min(self.max_window_blocks, max(1, self.window_blocks * 2))
             self.next_offset = max(self.next_offset, end)
         else:
             self.window_blocks = 0
+            self.run_bytes = end - offset
             self.scheduled_up_to = last_block
             self.next_offset = end
         first = max(last_block + 1, self.scheduled_up_to + 1)

@@ -13,6 +13,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from pffs.backends.backend import Backend, ObjectInfo
 from pffs.cache import Block, BlockCache
+from pffs.cache.aligned import aligned_buffer
 from pffs.cache.fork import after_fork_in_child
 from pffs.vfs.readahead import ReadAheadBudget, ReadAheadState
 
@@ -68,8 +69,12 @@ class ObjectReader:
     def block(self, info: ObjectInfo, index: int) -> Block:
         start, end = self.block_range(info, index)
         return self.cache.get(
-            self.key(info, index), lambda: self.backend.read_range(info, start, end), length=end - start
+            self.key(info, index), lambda: self._fetch(info, start, end), length=end - start
         )
+
+    def _fetch(self, info: ObjectInfo, start: int, end: int) -> Block:
+        # Into a page-aligned buffer, which the disk tier writes with O_DIRECT.
+        return self.backend.read_range(info, start, end, into=aligned_buffer(end - start))
 
     def read(self, info: ObjectInfo, offset: int, length: int, state: ReadAheadState | None = None) -> bytes:
         """Bytes [offset, offset+length) of the version `info` names, clipped at the end of the object."""
@@ -98,13 +103,10 @@ class ObjectReader:
                 ready = state.take(first, last)
                 self._read_ahead(info, state, offset, end, last)
                 random_access = state.window_blocks == 0
-        if random_access and first == last and first not in ready:
-            # A random read within one block: read just its part of a cached block (no 4 MiB load).
-            block_start = first * self.block_size
-            part = self.cache.get_range_if_cached(
-                self.key(info, first), offset - block_start, end - block_start
-            )
-            if part is not None and len(part) == end - offset:
+        if random_access and last - first <= 1 and not ready:
+            # A random read: just its part of the cached block(s) it falls in, not whole 4 MiB loads.
+            part = self._cached_part(info, offset, end, first, last)
+            if part is not None:
                 return part if as_view or isinstance(part, bytes) else bytes(part)
         # Blocks after the first are fetched in parallel while the first is read here.
         for index in range(first + 1, last + 1):
@@ -117,6 +119,20 @@ class ObjectReader:
             for future in ready.values():
                 future.cancel()
         return self._assemble(blocks, offset, end, first, last, as_view)
+
+    def _cached_part(self, info: ObjectInfo, offset: int, end: int, first: int, last: int) -> Block | None:
+        """Bytes [offset, end) from the parts of blocks first..last that hold them, if all are cached."""
+        parts = []
+        for index in range(first, last + 1):
+            block_start = index * self.block_size
+            start, stop = max(offset, block_start), min(end, block_start + self.block_size)
+            part = self.cache.get_range_if_cached(
+                self.key(info, index), start - block_start, stop - block_start
+            )
+            if part is None or len(part) != stop - start:
+                return None
+            parts.append(part)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
 
     def read_now(self, info: ObjectInfo, offset: int, length: int, state: ReadAheadState) -> Block | None:
         """The read, if every block it needs is in memory or already fetched ahead; else None, having
@@ -191,9 +207,7 @@ class ObjectReader:
         start, end = self.block_range(info, index)
         if start >= end:
             return 0
-        fetched = self.cache.ensure_on_disk(
-            self.key(info, index), lambda: self.backend.read_range(info, start, end)
-        )
+        fetched = self.cache.ensure_on_disk(self.key(info, index), lambda: self._fetch(info, start, end))
         return end - start if fetched else 0
 
     def warm(self, info: ObjectInfo) -> int:

@@ -1,5 +1,6 @@
-"""Block buffers aligned to the page size, so the disk tier can write them with O_DIRECT (no copy into the
-kernel's page cache)."""
+"""Block buffers aligned to the page size, so the disk tier can write and read them with O_DIRECT (no copy
+through the kernel's page cache). Fetchers fill them (see ObjectReader.block), the disk tier reads into
+them."""
 
 from __future__ import annotations
 
