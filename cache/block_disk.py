@@ -189,9 +189,11 @@ class BlockStore(diskcache.Cache):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.block_path(key))
 
-    def put_blocks(self, blocks: list[tuple[str, BlockPayload]]) -> None:
+    def put_blocks(self, blocks: list[tuple[str, BlockPayload]]) -> int:
         """Stores the blocks (replacing any under the same keys): their files first, then one transaction
-        for all their rows, so the SQLite write lock is taken once per batch and held only for the rows."""
+        for all their rows and the evictions they make necessary, so the SQLite write lock is taken once
+        per batch and the store is never over its size limit, even if the process dies next. Returns the
+        number of blocks evicted."""
         now = time.time()
         rows = []
         for key, payload in blocks:
@@ -206,6 +208,7 @@ class BlockStore(diskcache.Cache):
                         self._row_update(found[0][0], now, columns)
                     else:
                         self._row_insert(db_key, raw, now, columns)
+                return self.cull(retry=True) if self.volume() > self.size_limit else 0
         except BaseException:
             for _, _, columns in rows:
                 self._disk.remove(columns[4])  # no file without a row

@@ -83,9 +83,9 @@ class DiskTier:
         if time.monotonic() < self._writes_disabled_until:
             return False
         try:
-            self._cache.put_blocks([(key, BlockPayload(payload)) for key, payload in blocks])
-            if self._cache.volume() > self.capacity_bytes:
-                self.stats.add("disk_evictions", self._cache.cull(retry=True))
+            evicted = self._cache.put_blocks([(key, BlockPayload(payload)) for key, payload in blocks])
+            if evicted:
+                self.stats.add("disk_evictions", evicted)
         except (OSError, sqlite3.Error) as exc:
             self.stats.add("disk_write_failures", len(blocks))
             self._writes_disabled_until = time.monotonic() + WRITE_RETRY_AFTER_S

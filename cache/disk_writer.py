@@ -18,7 +18,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 
-from .fork import after_fork_in_child
+from .fork import after_fork_in_child, at_exit
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +35,7 @@ class DiskWriter:
         self.max_pending_bytes = max_pending_bytes
         self._reset()
         after_fork_in_child(self._reset)
+        at_exit(self.drain)  # a short-lived process (a script, `pffs cat`) still leaves its blocks cached
 
     def _reset(self) -> None:
         # A forked child has no writer thread and must not write what its parent queued.

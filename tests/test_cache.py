@@ -302,3 +302,21 @@ def test_kill_9_mid_write_leaves_a_cache_that_serves_no_bad_byte(tmp_path: Path)
         expected = hashlib.sha256(key.encode()).digest() * 4096
         assert bytes(cache.get(key, lambda k=key: hashlib.sha256(k.encode()).digest() * 4096)) == expected
     assert cache.disk.used_bytes() <= 8 << 20
+
+
+FETCH_AND_EXIT = """
+import sys
+from pffs.cache import BlockCache
+cache = BlockCache(sys.argv[1], disk_capacity_bytes=64 << 20, memory_capacity_bytes=64 << 20)
+for i in range(20):
+    cache.get(f"k{i}", lambda i=i: bytes([i]) * 300_000)
+"""  # and exit at once: the blocks are still queued for the disk writer
+
+
+def test_blocks_fetched_by_a_process_that_exits_at_once_are_on_disk(tmp_path: Path) -> None:
+    import sys
+
+    subprocess.run([sys.executable, "-c", FETCH_AND_EXIT, str(tmp_path)], check=True, timeout=60)
+    cache = BlockCache(tmp_path, disk_capacity_bytes=64 << 20, memory_capacity_bytes=0)
+    for i in range(20):
+        assert bytes(cache.get(f"k{i}", lambda: pytest.fail("not on disk"))) == bytes([i]) * 300_000

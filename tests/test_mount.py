@@ -205,6 +205,29 @@ def test_many_small_files_looked_up_without_listing_first(
         assert mount.stats()["backend_requests"]["head"]["requests"] < 100
 
 
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_small_files_of_a_directory_being_read_are_fetched_ahead(
+    s3_server: SeaweedS3, raw_s3: s3fs.S3FileSystem, tmp_path: Path, prefetch: bool
+) -> None:
+    bucket = new_bucket(raw_s3)
+    files = {f"{i:04d}.bin": pattern(20_000 + i, seed=i) for i in range(120)}
+    raw_s3.pipe({f"{bucket}/epoch/{k}": v for k, v in files.items()})
+    extra = ["--endpoint-url", s3_server.endpoint_url] + ([] if prefetch else ["--no-prefetch-dirs"])
+    with mounted(f"s3://{bucket}", tmp_path, env_for(s3_server), *extra) as mount:
+        names = sorted(os.listdir(mount.path / "epoch"))
+        random.Random(9).shuffle(names)  # an epoch in a shuffled order, one file at a time
+        for name in names:
+            assert sha256((mount.path / "epoch" / name).read_bytes()) == sha256(files[name]), name
+        stats = mount.stats()
+    assert stats["backend_requests"]["get"]["requests"] == len(files)  # each file fetched once, either way
+    if prefetch:
+        assert stats["files_prefetched"] > 50
+        assert stats["cache"]["memory_hits"] > 50  # opened after being fetched ahead: served from memory
+    else:
+        assert stats["files_prefetched"] == 0
+        assert stats["cache"]["memory_hits"] == 0
+
+
 # Writes
 
 

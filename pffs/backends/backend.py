@@ -209,10 +209,11 @@ class S3Backend(Backend):
         if not self.native_gets:
             return None
         if self._native is None or self._native_pid != os.getpid():
+            fs = self.fs  # before the lock: making the fs takes it too
             with self._lock:
                 if self._native is None or self._native_pid != os.getpid():
                     try:
-                        self._native = native_getter_for(self.fs)
+                        self._native = native_getter_for(fs)
                     except NotHandled as exc:
                         log.info("S3 GETs go through s3fs (%s)", exc)
                         self.native_gets = False

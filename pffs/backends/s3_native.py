@@ -103,25 +103,29 @@ class SigV4:
             self._keys = {(secret, day): key}  # one day, one secret at a time
         return key
 
-    def sign(self, creds: Credentials, host: str, path: str, query: str, now: float) -> dict[str, str]:
+    def sign(
+        self, creds: Credentials, host: str, path: str, query: str, headers: dict[str, str], now: float
+    ) -> dict[str, str]:
+        """The headers to send for a GET of `path?query` on `host`: `headers` (lower-case names, all of
+        them signed) plus x-amz-date, x-amz-content-sha256, the session token and Authorization."""
         stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(now))
         day = stamp[:8]
-        headers = {"host": host, "x-amz-content-sha256": EMPTY_SHA256, "x-amz-date": stamp}
+        signed = {**headers, "host": host, "x-amz-content-sha256": EMPTY_SHA256, "x-amz-date": stamp}
         if creds.token:
-            headers["x-amz-security-token"] = creds.token
-        names = ";".join(headers)  # already lower case and sorted
+            signed["x-amz-security-token"] = creds.token
+        names = sorted(signed)
         canonical = "\n".join(
-            ["GET", path, query, *(f"{k}:{v}" for k, v in headers.items()), "", names, EMPTY_SHA256]
+            ["GET", path, query, *(f"{k}:{signed[k]}" for k in names), "", ";".join(names), EMPTY_SHA256]
         )
         scope = f"{day}/{self.region}/s3/aws4_request"
         to_sign = f"AWS4-HMAC-SHA256\n{stamp}\n{scope}\n{hashlib.sha256(canonical.encode()).hexdigest()}"
         signature = hmac.new(self._signing_key(creds.secret_key, day), to_sign.encode(), hashlib.sha256)
-        headers["authorization"] = (
-            f"AWS4-HMAC-SHA256 Credential={creds.access_key}/{scope}, SignedHeaders={names}, "
+        signed["authorization"] = (
+            f"AWS4-HMAC-SHA256 Credential={creds.access_key}/{scope},SignedHeaders={';'.join(names)},"
             f"Signature={signature.hexdigest()}"
         )
-        del headers["host"]
-        return headers
+        del signed["host"]  # sent as the first header by the caller
+        return signed
 
 
 class _Connection:
@@ -208,7 +212,7 @@ class NativeS3Getter:
             headers["if-match"] = etag
         creds = self._current_credentials()
         if creds is not None:
-            headers.update(self._signer.sign(creds, endpoint.host, path, query, time.time()))
+            headers = self._signer.sign(creds, endpoint.host, path, query, headers, time.time())
         target = path + ("?" + query if query else "")
         request = [f"GET {target} HTTP/1.1", f"Host: {endpoint.host}", "Connection: keep-alive"]
         request += [f"{k}: {v}" for k, v in headers.items()]

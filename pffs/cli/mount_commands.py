@@ -66,6 +66,14 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--gid", type=int, help="group of every file (default: the mounting user's)")
     p.add_argument("--file-mode", default="644", help="permission bits of files, octal (default 644)")
     p.add_argument("--dir-mode", default="755", help="permission bits of directories, octal (default 755)")
+    p.add_argument(
+        "--no-prefetch-dirs",
+        dest="prefetch_dirs",
+        action="store_false",
+        help="do not fetch ahead the other small files of a directory whose small files are being read "
+        "one after another (on by default: 16 files opened start it; at most 2 files are fetched ahead "
+        "per file opened, plus 64)",
+    )
     p.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port")
     p.add_argument("--metrics-address", default="127.0.0.1", help="address for /metrics (default 127.0.0.1)")
     p.add_argument(
@@ -113,6 +121,7 @@ def mount_options(args: argparse.Namespace) -> MountOptions:
             dir_mode=args.dir_mode,
             metrics_port=args.metrics_port,
             metrics_address=args.metrics_address,
+            prefetch_dirs=args.prefetch_dirs,
             log_file=Path(log_file) if log_file else None,
             verbose=min(2, getattr(args, "verbose", 0) or 0),
         )

@@ -29,6 +29,7 @@ from pffs.backends.retry import describe
 from pffs.fuse.options import MountOptions
 from pffs.fuse.workers import WorkerThreads
 from pffs.vfs import OpenObject
+from pffs.vfs.dir_prefetch import DirectoryPrefetcher
 from pffs.vfs.inodes import ROOT_INODE, InodeTable
 from pffs.vfs.namespace import UNKNOWN, Namespace
 from pffs.vfs.staging import StagedFile
@@ -112,6 +113,9 @@ class Operations(pyfuse3.Operations):
         # Two sets of threads, so reads never queue behind slow backend calls (uploads, listings).
         self.backend_threads = WorkerThreads("pffs-backend", max(4, options.cache.fetch_workers))
         self.read_threads = WorkerThreads("pffs-read", READ_THREADS)
+        self.prefetcher = (
+            DirectoryPrefetcher(self.vfs.reader, self.ns.children) if options.prefetch_dirs else None
+        )
 
     async def _backend(self, fn: Callable[..., T], *args: Any) -> T:
         return await self.backend_threads.run(fn, *args)
@@ -358,6 +362,8 @@ class Operations(pyfuse3.Operations):
             return pyfuse3.FileInfo(fh=fh, keep_cache=False)
         info = await self._stat(path)
         self.files[fh] = FileHandle(path, reader=self.vfs.open_version(info))
+        if self.prefetcher is not None:
+            self.prefetcher.opened(path, info)
         # The kernel keeps its page cache of this file only while the stored version is unchanged.
         keep = self._opened_version.get(inode) == info.identity
         self._opened_version[inode] = info.identity
@@ -489,6 +495,8 @@ class Operations(pyfuse3.Operations):
         raise OSError(errno.ENOTSUP, "extended attributes cannot be removed")
 
     def close(self) -> None:
+        if self.prefetcher is not None:
+            self.prefetcher.close()
         self.read_threads.close()
         self.backend_threads.close()
 
@@ -506,5 +514,6 @@ class Operations(pyfuse3.Operations):
             "uploads_done": self.staging.uploads_done,
             "upload_failures": self.staging.upload_failures,
             "open_files": len(self.files),
+            "files_prefetched": self.prefetcher.files_prefetched if self.prefetcher else 0,
             "inodes": len(self.inodes),
         }

@@ -44,5 +44,6 @@ class MountOptions(BaseModel):
     dir_mode: Mode = 0o755
     metrics_port: int | None = Field(None, ge=1, le=65535)
     metrics_address: str = "127.0.0.1"
+    prefetch_dirs: bool = Field(True, description="fetch ahead the small files of a directory being read")
     log_file: Path | None = None
     verbose: int = Field(0, ge=0, le=2)

@@ -215,8 +215,10 @@ class ObjectReader:
         return sum(self.warm_block(info, i) for i in range(self.block_count(info)))
 
     def cached_fraction(self, info: ObjectInfo) -> float:
+        """The fraction of the object's blocks on the disk tier (after the blocks read so far are written)."""
         count = self.block_count(info)
         if count == 0 or self.cache.disk is None:
             return 1.0 if count == 0 else 0.0
+        self.cache.wait_for_disk()
         disk = self.cache.disk
         return sum(disk.contains(self.key(info, i)) for i in range(count)) / count
