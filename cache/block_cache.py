@@ -75,7 +75,9 @@ class BlockCache:
             self.stats.add("memory_hits")
             self.stats.add("bytes_from_memory", len(data))
             return data
-        return self._flight.run(key, lambda publish: self._load(key, fetch, keep_in_memory, publish, length))
+        return self._flight.run(
+            key, lambda publish: self._load(key, fetch, keep_in_memory, publish, length, False)
+        )
 
     def get_range_if_cached(self, key: str, start: int, end: int) -> Block | None:
         """Bytes [start, end) of a cached block, from memory or from a part of its disk file (not loaded
@@ -99,7 +101,7 @@ class BlockCache:
         if self.disk is not None and self.disk.contains(key):
             return False
         misses_before = self.stats.snapshot()["misses"]
-        self._flight.run(key, lambda publish: self._load(key, fetch, False, publish, None))
+        self._flight.run(key, lambda publish: self._load(key, fetch, False, publish, None, True))
         return self.stats.snapshot()["misses"] > misses_before
 
     def _load(
@@ -109,6 +111,7 @@ class BlockCache:
         keep_in_memory: bool,
         publish: Callable[[Block], None],
         length: int | None,
+        wait_for_disk: bool,
     ) -> Block:
         data = self._from_disk(key, length)
         if data is None:
@@ -117,7 +120,8 @@ class BlockCache:
                 # Another process may have fetched it while we waited for the lock.
                 data = self._from_disk(key, length) if release is not None else None
                 if data is None:
-                    data, release = self._fetch(key, fetch, keep_in_memory, publish, release), None
+                    data = self._fetch(key, fetch, keep_in_memory, publish, release, wait_for_disk)
+                    release = None  # the disk writer releases it
                     return data
             finally:
                 if release is not None:
@@ -142,6 +146,7 @@ class BlockCache:
         keep_in_memory: bool,
         publish: Callable[[Block], None],
         release_lock: Callable[[], None] | None,
+        wait_for_disk: bool,
     ) -> Block:
         """Fetches the block, hands it to the readers, and has it written to disk; the cross-process lock
         is released once the block is on disk, so other processes find it there."""
@@ -156,7 +161,7 @@ class BlockCache:
                 release_lock()
             return data
         written = self.disk.put_later(key, data, then=release_lock)
-        if not keep_in_memory and written is not None:
+        if wait_for_disk and written is not None:
             written.result()  # warm-up: on disk before the caller goes on
         return data
 

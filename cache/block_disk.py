@@ -27,12 +27,14 @@ import os
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Iterator
 from typing import Any
 
 import diskcache
 from diskcache.core import MODE_BINARY, UNKNOWN
 
 from .block_format import Header, block_header, read_block_file, read_block_range
+from .fork import sqlite_fork_gate
 
 
 class BlockPayload:
@@ -132,9 +134,10 @@ def _write_all(fd: int, parts: list[memoryview], offset: int) -> None:
 
 
 def block_filename(key: str) -> str:
-    """Where a block lives, relative to the store's directory: two levels of 256 folders."""
+    """Where a block lives, relative to the store's directory: one of 4096 folders (a million blocks make
+    250 files a folder; two levels would cost a mkdir for almost every block of a new cache)."""
     digest = hashlib.blake2b(key.encode(), digest_size=16).hexdigest()
-    return f"{digest[:2]}/{digest[2:4]}/{digest}.blk"
+    return f"{digest[:3]}/{digest}.blk"
 
 
 class BlockStore(diskcache.Cache):
@@ -154,6 +157,11 @@ class BlockStore(diskcache.Cache):
         self._headers: OrderedDict[str, Header] = OrderedDict()
         self._next_touch_flush = time.monotonic() + self.TOUCH_FLUSH_S
         super().__init__(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def _transact(self, retry: bool = False, filename: str | None = None) -> Iterator[Any]:
+        with sqlite_fork_gate, super()._transact(retry, filename) as transaction:
+            yield transaction
 
     def block_path(self, key: str) -> str:
         return os.path.join(self.directory, block_filename(key))

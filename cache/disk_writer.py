@@ -25,6 +25,9 @@ log = logging.getLogger(__name__)
 Block = bytes | memoryview
 Then = Callable[[], None]
 MAX_BATCH = 64
+# After waking for a block, wait this long for others to write with it: one wake-up and one transaction
+# for many blocks when small files arrive one by one (a block reaches the disk that much later).
+LINGER_S = 0.005
 
 
 class DiskWriter:
@@ -52,13 +55,15 @@ class DiskWriter:
         with self._cond:
             while self._pending_bytes > self.max_pending_bytes and self._queue:
                 self._cond.wait()
+            was_empty = not self._queue
             self._queue.append((key, data, done, then))
             self._pending_bytes += len(data)
             if self._thread is None or self._pid != os.getpid():
                 self._pid = os.getpid()
                 self._thread = threading.Thread(target=self._run, name="pffs-disk-writer", daemon=True)
                 self._thread.start()
-            self._cond.notify_all()
+            if was_empty:  # the writer waits for work; while it lingers for more, let it linger
+                self._cond.notify_all()
         return done
 
     def drain(self) -> None:
@@ -72,6 +77,8 @@ class DiskWriter:
             with self._cond:
                 while not self._queue:
                     self._cond.wait()
+                if len(self._queue) < MAX_BATCH and self._pending_bytes < self.max_pending_bytes:
+                    self._cond.wait(LINGER_S)
                 batch = [self._queue.popleft() for _ in range(min(MAX_BATCH, len(self._queue)))]
                 self._busy = True
             written = False

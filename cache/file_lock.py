@@ -11,9 +11,12 @@ import contextlib
 import fcntl
 import functools
 import os
+import threading
 import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
+
+from .fork import after_fork_in_child
 
 STRIPES = 1024
 
@@ -22,6 +25,19 @@ class StripedFileLocks:
     def __init__(self, directory: str | Path) -> None:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
+        # Descriptors of the locks held now. A lock lives until every copy of its descriptor is closed, and
+        # a forked child (a DataLoader worker) gets copies: it closes them at once, or the lock would stay
+        # held for as long as the child lives (other processes would wait on it), however soon we release.
+        self._held: set[int] = set()
+        self._held_lock = threading.Lock()
+        after_fork_in_child(self._close_inherited)
+
+    def _close_inherited(self) -> None:
+        self._held_lock = threading.Lock()
+        for fd in self._held:
+            with contextlib.suppress(OSError):
+                os.close(fd)  # the child's copy only: the parent still holds the lock
+        self._held = set()
 
     @contextlib.contextmanager
     def hold(self, key: str) -> Iterator[None]:
@@ -40,4 +56,11 @@ class StripedFileLocks:
         except BaseException:
             os.close(fd)
             raise
-        return functools.partial(os.close, fd)  # closing the descriptor releases the lock
+        with self._held_lock:
+            self._held.add(fd)
+        return functools.partial(self._release, fd)
+
+    def _release(self, fd: int) -> None:
+        with self._held_lock:
+            self._held.discard(fd)
+        os.close(fd)  # closing the descriptor releases the lock

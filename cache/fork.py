@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import threading
 import weakref
 from collections.abc import Callable
 
@@ -28,3 +29,28 @@ def after_fork_in_child(method: Callable[[], object]) -> None:
 def at_exit(method: Callable[[], object]) -> None:
     """Calls the bound `method` at interpreter exit if its object still lives."""
     atexit.register(_weak_call(method))
+
+
+class _ForkGate:
+    """Held around every SQLite transaction of the cache, and taken by fork() itself: a child must not be
+    forked while a thread is inside a transaction. SQLite keeps the process's lock state in memory; a child
+    that inherits it "holding" a write lock no thread of its own holds finds the database locked forever
+    (seen: a DataLoader worker forked while the disk writer committed a batch)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        os.register_at_fork(
+            before=self._lock.acquire, after_in_parent=self._lock.release, after_in_child=self._reset
+        )
+
+    def _reset(self) -> None:
+        self._lock = threading.RLock()
+
+    def __enter__(self) -> None:
+        self._lock.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+
+
+sqlite_fork_gate = _ForkGate()

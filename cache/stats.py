@@ -14,7 +14,7 @@ import threading
 import time
 from pathlib import Path
 
-from .fork import at_exit
+from .fork import at_exit, sqlite_fork_gate
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ class CacheStats:
         if not deltas:
             return
         try:
-            with _connect(self._store_path) as con:
+            with sqlite_fork_gate, _connect(self._store_path) as con:
                 con.executemany(
                     "INSERT INTO counters(name, value) VALUES (?, ?) "
                     "ON CONFLICT(name) DO UPDATE SET value = value + excluded.value",
@@ -87,7 +87,7 @@ def read_totals(store_path: str | Path) -> dict[str, int]:
     totals = dict.fromkeys(COUNTERS, 0)
     if not Path(store_path).exists():
         return totals
-    with _connect(Path(store_path)) as con:
+    with sqlite_fork_gate, _connect(Path(store_path)) as con:
         for name, value in con.execute("SELECT name, value FROM counters"):
             if name in totals:
                 totals[name] = int(value)
@@ -96,7 +96,7 @@ def read_totals(store_path: str | Path) -> dict[str, int]:
 
 def reset_totals(store_path: str | Path) -> None:
     if Path(store_path).exists():
-        with _connect(Path(store_path)) as con:
+        with sqlite_fork_gate, _connect(Path(store_path)) as con:
             con.execute("DELETE FROM counters")
 
 

@@ -320,3 +320,37 @@ def test_blocks_fetched_by_a_process_that_exits_at_once_are_on_disk(tmp_path: Pa
     cache = BlockCache(tmp_path, disk_capacity_bytes=64 << 20, memory_capacity_bytes=0)
     for i in range(20):
         assert bytes(cache.get(f"k{i}", lambda: pytest.fail("not on disk"))) == bytes([i]) * 300_000
+
+
+def _write_in_forked_child(cache_dir: str, i: int) -> bytes:
+    child = BlockCache(cache_dir, disk_capacity_bytes=64 << 20, memory_capacity_bytes=0)
+    data = bytes([i]) * 50_000
+    assert bytes(child.get(f"child-{i}", lambda: data)) == data
+    child.close()
+    return bytes(child.get(f"child-{i}", lambda: pytest.fail("not on disk")))
+
+
+def test_children_forked_while_the_disk_writer_commits_can_use_the_cache(tmp_path: Path) -> None:
+    """SQLite state must not be inherited mid-transaction: a child forked then found the database locked."""
+    cache = BlockCache(tmp_path, disk_capacity_bytes=64 << 20, memory_capacity_bytes=0)
+    stop = threading.Event()
+
+    def keep_writing() -> None:
+        i = 0
+        while not stop.is_set():
+            cache.get(f"parent-{i}", lambda: os.urandom(20_000))
+            i += 1
+
+    writer = threading.Thread(target=keep_writing)
+    writer.start()
+    try:
+        for round_ in range(40):
+            with multiprocessing.get_context("fork").Pool(2) as pool:
+                result = pool.starmap_async(
+                    _write_in_forked_child, [(str(tmp_path), round_ * 2 + j) for j in (0, 1)]
+                )
+                got = result.get(timeout=30)
+            assert got == [bytes([round_ * 2 + j]) * 50_000 for j in (0, 1)]
+    finally:
+        stop.set()
+        writer.join()

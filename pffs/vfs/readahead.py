@@ -60,10 +60,12 @@ class ReadAheadState:
         self.lock = threading.Lock()  # a handle may be read from several threads (FUSE does)
 
     def take(self, first: int, last: int) -> dict[int, Future[Block]]:
-        """The prefetched blocks of [first, last]; drops those behind `first`, which a seek left unread."""
+        """The prefetched blocks of [first, last]; drops those behind `first` (read, or skipped by a seek).
+        A block stays here until the reader moves past it: the several requests that read one block find
+        it here (prefetched blocks do not go into the memory tier, see ObjectReader._prefetch)."""
         for index in [i for i in self.pending if i < first]:
             self.pending.pop(index).cancel()
-        return {i: self.pending.pop(i) for i in range(first, last + 1) if i in self.pending}
+        return {i: self.pending[i] for i in range(first, last + 1) if i in self.pending}
 
     def close(self) -> None:
         with self.lock:

@@ -66,10 +66,13 @@ class ObjectReader:
         start = index * self.block_size
         return start, min(start + self.block_size, info.size)
 
-    def block(self, info: ObjectInfo, index: int) -> Block:
+    def block(self, info: ObjectInfo, index: int, keep_in_memory: bool = True) -> Block:
         start, end = self.block_range(info, index)
         return self.cache.get(
-            self.key(info, index), lambda: self._fetch(info, start, end), length=end - start
+            self.key(info, index),
+            lambda: self._fetch(info, start, end),
+            length=end - start,
+            keep_in_memory=keep_in_memory,
         )
 
     def _fetch(self, info: ObjectInfo, start: int, end: int) -> Block:
@@ -198,7 +201,10 @@ class ObjectReader:
         start, end = self.block_range(info, index)
         if not self.budget.try_reserve(end - start):
             return None
-        future = self.pool.submit(self.block, info, index)
+        # Not into the memory tier: a stream read once would push out everything else there (and its
+        # blocks would fill fresh memory, which costs more here than the network). The handle holds the
+        # block while it reads it; the disk tier keeps it.
+        future = self.pool.submit(self.block, info, index, False)
         future.add_done_callback(lambda _: self.budget.release(end - start))
         return future
 
