@@ -26,6 +26,16 @@ def after_fork_in_child(method: Callable[[], object]) -> None:
     os.register_at_fork(after_in_child=_weak_call(method))
 
 
+def hold_across_fork(
+    acquire: Callable[[], object], release: Callable[[], object], in_child: Callable[[], object]
+) -> None:
+    """Bound methods: `acquire` before every fork(), `release` after it in the parent, `in_child` after
+    it in the child (which must leave the lock usable there), for as long as their object lives."""
+    os.register_at_fork(
+        before=_weak_call(acquire), after_in_parent=_weak_call(release), after_in_child=_weak_call(in_child)
+    )
+
+
 def at_exit(method: Callable[[], object]) -> None:
     """Calls the bound `method` at interpreter exit if its object still lives."""
     atexit.register(_weak_call(method))
@@ -39,12 +49,16 @@ class _ForkGate:
 
     def __init__(self) -> None:
         self._lock = threading.RLock()
-        os.register_at_fork(
-            before=self._lock.acquire, after_in_parent=self._lock.release, after_in_child=self._reset
-        )
+        hold_across_fork(self._acquire, self._release, self._reset)
+
+    def _acquire(self) -> None:
+        self._lock.acquire()
+
+    def _release(self) -> None:
+        self._lock.release()
 
     def _reset(self) -> None:
-        self._lock = threading.RLock()
+        self._lock = threading.RLock()  # the child's only thread holds nothing
 
     def __enter__(self) -> None:
         self._lock.acquire()
