@@ -11,6 +11,8 @@ that prefix:
 
     pffs      pffs mount s3://bench-data/ds MNT --cache-dir DIR --cache-size 8G --memory-cache-size 512M
               --attr-ttl 1 --dir-ttl 60
+    pffs-noprefetch   the same with --no-prefetch-dirs, for the small-file phases only (first_read,
+              small_cold, small_warm): what directory prefetch adds. Not a peer, no target.
     rclone    rclone mount (S3 remote from RCLONE_CONFIG_BENCH_* env vars, provider Other)
               --vfs-cache-mode full --cache-dir DIR --vfs-cache-max-size 8G
     s3fs      s3fs bench-data:/ds MNT -f -o url=..,use_path_request_style,passwd_file=..,use_cache=DIR
@@ -41,8 +43,10 @@ read is checked against its sha256 after the clock stops. Per client, in order:
                    time: reads/s, and p50/p99 latency in ms
 
 Ceilings, measured in the same run: ceiling_local_disk (the large file's bytes from a local file, page
-cache dropped, 4 MiB reads) and ceiling_ranged_gets (8 parallel 8 MiB ranged GETs of the large object,
-straight from the server with s3fs, as bench/sdk.py does).
+cache dropped, 4 MiB reads), ceiling_local_random (the random phase's 1,000 preads on that local file,
+page cache dropped: what the disk allows a client serving from a local cache file) and ceiling_ranged_gets
+(8 parallel 8 MiB ranged GETs of the large object, straight from the server with s3fs, as bench/sdk.py
+does).
 
 For pffs, each figure is compared with the best peer (rclone, s3fs, JuiceFS) on it; the targets are
 first-read p50 <= 1x the best peer's; large cold >= 2x the best peer and >= 0.8x ceiling_ranged_gets;
@@ -105,7 +109,10 @@ PROBE_COUNT = 200
 PROBE_READ = 4096
 RANDOM_READS = 1000
 RANDOM_SIZE = 128 << 10
-CLIENTS = ("pffs", "rclone", "s3fs", "juicefs")
+# pffs-noprefetch: pffs with --no-prefetch-dirs, for the phases where directory prefetch counts (the
+# small-file ones), so the table shows what prefetch adds and what pffs does without it. Not a peer.
+CLIENTS = ("pffs", "pffs-noprefetch", "rclone", "s3fs", "juicefs")
+PFFS_CLIENTS = ("pffs", "pffs-noprefetch")
 PEERS = ("rclone", "s3fs", "juicefs")
 CACHE_SIZE = "8G"
 PFFS_OPTIONS = f"--cache-size {CACHE_SIZE} --memory-cache-size 512M --attr-ttl 1 --dir-ttl 60".split()
@@ -136,7 +143,9 @@ FIGURES: dict[str, tuple[str, str, str]] = {
 CEILINGS = {
     "ceiling_ranged_gets_mb_s": f"ceiling: {PARALLEL_GETS}x{RANGE >> 20}MiB ranged GETs",
     "ceiling_local_disk_mb_s": "ceiling: local disk, 4MiB reads",
+    "ceiling_local_random_ops_s": "ceiling: local disk, random 128KiB preads",
 }
+LARGE_CEILINGS = ("ceiling_ranged_gets_mb_s", "ceiling_local_disk_mb_s")
 # (figure, threshold, "best_peer" or a ceiling figure); latencies must be <= threshold x, the rest >=.
 TARGETS = (
     ("first_read_p50_ms", 1.0, "best_peer"),
@@ -355,6 +364,13 @@ def phase_stat(spec: Spec, root: str) -> Result:
     }
 
 
+def phase_ceiling_local_random(spec: Spec) -> Result:
+    """The random phase on the local copy of the large file (page cache dropped): what the disk allows."""
+    result = phase_random(spec, os.path.dirname(spec.local_large))
+    ops = result["figures"]["random_warm_ops_s"]
+    return {"figures": {"ceiling_local_random_ops_s": ops}, "details": result, "verified": result["verified"]}
+
+
 def phase_random(spec: Spec, root: str) -> Result:
     rng = random.Random(SEED)
     blocks = (spec.large_size - RANDOM_SIZE) // 4096
@@ -408,6 +424,7 @@ PHASES: dict[str, Callable[[Spec, str], Result]] = {
     "stat": phase_stat,
     "random_warm": phase_random,
     "ceiling_local_disk": phase_ceiling_local_disk,
+    "ceiling_local_random": lambda spec, root: phase_ceiling_local_random(spec),
     "ceiling_ranged_gets": phase_ceiling_ranged_gets,
 }
 
@@ -513,7 +530,7 @@ class Mount:
         cmd, env = self.command()
         self.commands.append(shlex.join(cmd))
         started = time.monotonic()
-        if self.client == "pffs":
+        if self.client in PFFS_CLIENTS:
             done = subprocess.run(
                 cmd, env=env, capture_output=True, text=True, timeout=MOUNT_TIMEOUT_S + 30, check=False
             )
@@ -526,7 +543,7 @@ class Mount:
                     start_new_session=True,
                 )  # fmt: skip
         self._wait_mounted(started)
-        if self.client == "pffs":
+        if self.client in PFFS_CLIENTS:
             self.pid = int(os.getxattr(self.mountpoint, "user.pffs.pid"))
         else:
             assert self.proc is not None
@@ -572,7 +589,7 @@ class Mount:
     def command(self) -> tuple[list[str], dict[str, str]]:
         ctx, mnt, cache = self.ctx, str(self.mountpoint), str(self.cache_dir)
         env = dict(os.environ)
-        if self.client == "pffs":
+        if self.client in PFFS_CLIENTS:
             env.update(AWS_ACCESS_KEY_ID=ctx.key, AWS_SECRET_ACCESS_KEY=ctx.secret)
             cmd = [
                 str(BIN / "pffs"),
@@ -582,6 +599,8 @@ class Mount:
                 "--endpoint-url",
                 ctx.endpoint_url,
             ]
+            if self.client == "pffs-noprefetch":
+                cmd.append("--no-prefetch-dirs")
             return [*cmd, "--cache-dir", cache, *PFFS_OPTIONS, "--log-file", str(self.log_path())], env
         if self.client == "rclone":
             env.update(
@@ -618,7 +637,7 @@ class Mount:
         """Unmounts the client's way, then makes sure: the mount gone, its processes ended."""
         try:
             if mount_entry(self.mountpoint) is not None:
-                if self.client == "pffs":
+                if self.client in PFFS_CLIENTS:
                     cmd = [str(BIN / "pffs"), "umount", str(self.mountpoint), "--timeout", "60"]
                 else:
                     cmd = ["fusermount3", "-u", str(self.mountpoint)]
@@ -668,7 +687,7 @@ class Mount:
     def counters(self) -> Result:
         """The client's own cache counters, where it has some to give (pffs, JuiceFS)."""
         try:
-            if self.client == "pffs":
+            if self.client in PFFS_CLIENTS:
                 report = json.loads(os.getxattr(self.mountpoint, "user.pffs.stats"))
                 return {k: v for k, v in report.get("cache", {}).items() if isinstance(v, int | float)}
             if self.client == "juicefs":
@@ -734,7 +753,7 @@ def run_child(phase: str, spec_path: Path, root: str, mount: Mount | None) -> Re
     except subprocess.TimeoutExpired:
         log(f"  phase {phase} did not finish within {PHASE_TIMEOUT_S}s: aborting it")
         if mount is not None:
-            if mount.client == "pffs" and mount.pid:  # where the mount is stuck, for the bug report
+            if mount.client in PFFS_CLIENTS and mount.pid:  # where the mount is stuck, for the bug report
                 dump = subprocess.run(
                     [str(BIN / "py-spy"), "dump", "--pid", str(mount.pid)],
                     capture_output=True, text=True, timeout=60, check=False,
@@ -807,7 +826,7 @@ class Run:
         return result
 
     def ceilings(self, repeat: int) -> None:
-        for name in ("ceiling_local_disk", "ceiling_ranged_gets"):
+        for name in ("ceiling_local_disk", "ceiling_local_random", "ceiling_ranged_gets"):
             if name == "ceiling_local_disk":
                 # Written just before it is read, as every cache's files are (see bench/sdk.py).
                 sdk.write_local_large(Path(self.spec.local_large), self.spec.large_size)
@@ -819,15 +838,19 @@ class Run:
         shutil.rmtree(cache, ignore_errors=True)
         mount = Mount(client, self.ctx, cache, self.ctx.workdir / "mnt" / client)
         log(f"{client} (repeat {repeat + 1}/{self.args.repeats})")
+        small_only = client == "pffs-noprefetch"
         try:
             mount.start()
-            for phase in ("first_read", "large_cold", "small_cold"):
+            for phase in (
+                ("first_read", "small_cold") if small_only else ("first_read", "large_cold", "small_cold")
+            ):
                 self.phase(client, phase, repeat, mount)
             mount.remount()
-            for phase in ("large_warm", "small_warm", "stat"):
+            for phase in ("small_warm",) if small_only else ("large_warm", "small_warm", "stat"):
                 self.phase(client, phase, repeat, mount)
-            mount.remount()
-            self.phase(client, "random_warm", repeat, mount)
+            if not small_only:
+                mount.remount()
+                self.phase(client, "random_warm", repeat, mount)
         except (PhaseFailed, OSError, subprocess.SubprocessError) as exc:
             log(f"  {client} FAILED: {exc}")
             if not any(f["client"] == client and f["repeat"] == repeat for f in self.failures):
@@ -1147,7 +1170,13 @@ def plot(report: Result, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colors = {"pffs": "tab:green", "rclone": "tab:blue", "s3fs": "tab:orange", "juicefs": "tab:purple"}
+    colors = {
+        "pffs": "tab:green",
+        "pffs-noprefetch": "tab:olive",
+        "rclone": "tab:blue",
+        "s3fs": "tab:orange",
+        "juicefs": "tab:purple",
+    }
     figures = report["figures"]
     shown = [f for f in FIGURES if f in figures]
     cols = 4
@@ -1164,8 +1193,13 @@ def plot(report: Result, path: Path) -> None:
         ]
         bars = ax.bar(clients, values, yerr=errors, capsize=2, color=[colors[c] for c in clients])
         ax.bar_label(bars, labels=[fmt(v) for v in values], fontsize=7)
+        if name == "random_warm_ops_s" and (
+            r := figures.get("ceiling_local_random_ops_s", {}).get("ceiling")
+        ):
+            ax.axhline(r["value"], color="black", linestyle=":", linewidth=1)
+            ax.text(0, r["value"], f"local disk: {fmt(r['value'])}", fontsize=6, va="bottom")
         if name.startswith("large_"):
-            for ceiling, style in zip(CEILINGS, ("--", ":"), strict=True):
+            for ceiling, style in zip(LARGE_CEILINGS, ("--", ":"), strict=True):
                 r = figures.get(ceiling, {}).get("ceiling")
                 if r:
                     ax.axhline(
