@@ -1146,7 +1146,8 @@ def print_table(report: Result) -> None:
         )
     for fig, label in CEILINGS.items():
         r = figures.get(fig, {}).get("ceiling")
-        rows.append((label, "MB/s", fmt(r["value"]) if r else "-", *[""] * (len(clients) - 1), "", ""))
+        unit = "reads/s" if fig.endswith("_ops_s") else "MB/s"
+        rows.append((label, unit, fmt(r["value"]) if r else "-", *[""] * (len(clients) - 1), "", ""))
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     print()
     for row in rows:
