@@ -4,10 +4,10 @@ training epoch over a folder of samples, in any order), the rest are fetched ahe
 Per-file read-ahead cannot help a folder of 128 KiB samples: each file is one block, read once, and every
 open then waits for its own GET (or disk read) on a worker thread. Once TRIGGER_FILES distinct small files
 (one block or less) of a directory have been opened within IDLE_S seconds of each other, its other small
-files are fetched PARALLEL at a time through the block cache (into memory, and onto disk as any read),
-starting after the last file opened, in listing order, so a program reading in order stays behind the
-prefetcher and one reading in a shuffled order finds more and more files ready. A file whose block is in
-memory when it is opened is answered on the event loop, without a thread.
+files are fetched by all the fetch threads (16 by default) through the block cache (into memory, and onto
+disk as any read), starting after the last file opened, in listing order, so a program reading in order
+stays behind the prefetcher and one reading in a shuffled order finds more and more files ready. A file
+whose block is in memory when it is opened is answered on the event loop, without a thread.
 
 Bounded by what the readers show: at most AHEAD_FACTOR files are fetched ahead per file opened (plus
 AHEAD_START), so reading 50 files of a folder of a million fetches a few hundred at most, while a whole
@@ -36,7 +36,6 @@ TRIGGER_FILES = 16
 AHEAD_FACTOR = 2
 AHEAD_START = 64
 IDLE_S = 10.0
-PARALLEL = 8
 MAX_DIRECTORIES = 1024  # directories whose opens are being counted
 
 
@@ -102,7 +101,7 @@ class DirectoryPrefetcher:
                 del self._directories[oldest.path]
 
     def _run(self, scan: _Directory) -> None:
-        in_flight = threading.Semaphore(PARALLEL)
+        in_flight = threading.Semaphore(self.reader.workers)  # as many as the fetch threads
         done = False
         try:
             entries = self.list_directory(scan.path)
