@@ -31,7 +31,10 @@ class BlockCache:
         directory: str | Path | None,
         disk_capacity_bytes: int,
         memory_capacity_bytes: int,
+        direct_io: bool = False,
     ) -> None:
+        """`direct_io`: write and read the disk tier around the page cache (for a FUSE mount, whose files
+        the kernel caches already); else through it (the page cache then keeps the disk tier hot)."""
         self.directory = Path(directory) if directory is not None else None
         self.disk: DiskTier | None = None
         self.locks: StripedFileLocks | None = None
@@ -39,7 +42,7 @@ class BlockCache:
             try:
                 self.directory.mkdir(parents=True, exist_ok=True)
                 self.stats = CacheStats(self.directory / STATS_FILE)
-                self.disk = DiskTier(self.directory, disk_capacity_bytes, self.stats)
+                self.disk = DiskTier(self.directory, disk_capacity_bytes, self.stats, direct_io)
                 self.locks = StripedFileLocks(self.directory / "locks")
             except (OSError, sqlite3.Error) as exc:
                 log.warning(

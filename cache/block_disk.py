@@ -8,11 +8,11 @@ name and renamed into place, so a reader finds a whole file or none; the checksu
 Two processes writing the same key write the same bytes (keys name a version of an object), so whichever
 rename lands last is as good as the first.
 
-A payload in a page-aligned buffer (the S3 client reads blocks into such buffers) is written with O_DIRECT:
-the disk reads it from our memory, and the kernel does not first copy it into fresh page-cache pages (that
-copy cost 2 CPU-seconds per GiB here, twice the network receive). The block's last partial page is
-written through the page cache. Where O_DIRECT is refused (tmpfs, some network file systems), writes are
-buffered, as before.
+In a store set for direct I/O (the FUSE mount's), a payload in a page-aligned buffer (the S3 client reads
+blocks into such buffers) is written with O_DIRECT: the disk reads it from our memory, and the kernel does
+not first copy it into fresh page-cache pages (that copy cost 2 CPU-seconds per GiB here, twice the network
+receive). The block's last partial page is written through the page cache. Where O_DIRECT is refused
+(tmpfs, some network file systems), writes are buffered.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ class BlockDisk(diskcache.Disk):
         temporary = f"{full_path}.{os.getpid()}.{threading.get_ident()}.tmp"
         header = block_header(value.data)
         payload = memoryview(value.data).cast("B")
-        direct = self.direct_io and len(payload) >= PAGE and _page_aligned(payload)
+        direct = self.direct_io and _direct_supported and len(payload) >= PAGE and _page_aligned(payload)
         fd = _create(temporary, os.O_DIRECT if direct else 0)
         try:
             if direct:
@@ -73,12 +73,12 @@ class BlockDisk(diskcache.Disk):
             raise
         return len(header) + len(value.data), MODE_BINARY, filename, None
 
-    # Whether to try O_DIRECT; switched off for good by the first refusal (EINVAL: not supported here).
-    direct_io = True
+    direct_io = False  # write with O_DIRECT (from page-aligned buffers); set by the store
 
     def _write_direct(self, fd: int, header: bytes, payload: memoryview) -> bool:
         """Header and the payload's whole pages with O_DIRECT, the rest buffered. False (nothing written
         that matters: the caller writes everything again, buffered) if O_DIRECT was refused."""
+        global _direct_supported
         bulk = len(payload) - len(payload) % PAGE
         aligned_header = _aligned_copy(header)
         try:
@@ -86,7 +86,7 @@ class BlockDisk(diskcache.Disk):
         except OSError as exc:
             if exc.errno != errno.EINVAL:
                 raise
-            type(self).direct_io = False
+            _direct_supported = False
             fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
             os.ftruncate(fd, 0)
             return False
@@ -97,6 +97,7 @@ class BlockDisk(diskcache.Disk):
 
 
 PAGE = 4096
+_direct_supported = True  # off for good after the first refusal (EINVAL: not supported here)
 
 
 def _page_aligned(view: memoryview) -> bool:
@@ -152,6 +153,15 @@ class BlockStore(diskcache.Cache):
     TOUCH_FLUSH_S = 2.0
     HEADERS_KEPT = 4096  # parsed headers of recently range-read blocks (a block's header never changes)
 
+    @property
+    def direct_io(self) -> bool:
+        """Write and read block files with O_DIRECT (see block_format)."""
+        return bool(self._disk.direct_io)
+
+    @direct_io.setter
+    def direct_io(self, value: bool) -> None:
+        self._disk.direct_io = value
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._touched: dict[str, float] = {}
         self._headers: OrderedDict[str, Header] = OrderedDict()
@@ -175,9 +185,10 @@ class BlockStore(diskcache.Cache):
         data: bytes | memoryview
         try:
             if end is None:
-                data = read_block_file(path, length)
+                data = read_block_file(path, length, self.direct_io)
             else:
-                data, header = read_block_range(path, start, end, self._headers.pop(key, None))
+                header = self._headers.pop(key, None)
+                data, header = read_block_range(path, start, end, header, self.direct_io)
                 self._headers[key] = header  # a key names its bytes: the header stays true
                 if len(self._headers) > self.HEADERS_KEPT:
                     self._headers.popitem(last=False)

@@ -6,9 +6,11 @@ written with O_DIRECT (see block_disk): straight from memory to the disk, withou
 the kernel's page cache, which costs more CPU than the network transfer that brought the block.
 
 Per-segment checksums let a random read verify just the segments it needs (a 128 KiB pread of a 4 MiB
-block reads and hashes 128-160 KiB, not 4 MiB). Reads bypass the page cache (O_DIRECT into page-aligned
-buffers): the kernel would otherwise read ahead up to the disk's read-ahead (8 MiB here) and fill fresh
-page-cache pages, which made a 256 KiB random read take 0.53 ms instead of 0.30.
+block reads and hashes 128-160 KiB, not 4 MiB). Reads either bypass the page cache (`direct`: O_DIRECT into
+page-aligned buffers; the FUSE mount does, since the kernel already caches what it serves) or go through it
+(the SDK: the page cache then keeps the disk tier hot for the next epoch); a range read through the page
+cache tells the kernel not to read ahead (it would read up to the disk's read-ahead, 8 MiB here: a 256 KiB
+random read took 0.53 ms instead of 0.30).
 
 A block that is truncated, bit-flipped, written by something else or in an older layout fails its check
 and is never served.
@@ -111,17 +113,23 @@ def _pread_aligned(fd: int, size: int) -> bytes:
     return bytes(buffer[: os.preadv(fd, [buffer], 0)])
 
 
-def read_block_file(path: str, expected_length: int | None = None) -> bytes | memoryview:
+def read_block_file(
+    path: str, expected_length: int | None = None, direct: bool = False
+) -> bytes | memoryview:
     """The verified payload of a block file. With its expected length, header and payload come in one
     pread (a view past the header: no copy); else the header first, then the payload into its own bytes."""
     payload: bytes | memoryview
-    fd = _open_direct(path) if expected_length is not None else os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    direct = direct and expected_length is not None
+    fd = _open_for_read(path, direct)
+    whole: bytes | memoryview
     try:
         if expected_length is not None:
             size = header_size(expected_length)
-            # One page more than the block: a longer file is corrupt too.
-            whole = aligned_buffer(size + -(-expected_length // ALIGN) * ALIGN + ALIGN)
-            whole = whole[: os.preadv(fd, [whole], 0)]
+            if direct:  # into a page-aligned buffer; one page more: a longer file is corrupt too
+                whole = aligned_buffer(size + -(-expected_length // ALIGN) * ALIGN + ALIGN)
+                whole = whole[: os.preadv(fd, [whole], 0)]
+            else:  # one byte more: a longer file is corrupt too
+                whole = os.pread(fd, size + expected_length + 1, 0)
         else:
             length, digests, size = _read_header(fd)
             payload = os.pread(fd, length + 1, size)
@@ -141,11 +149,13 @@ def read_block_file(path: str, expected_length: int | None = None) -> bytes | me
 Header = tuple[int, list[int], int]  # payload length, segment digests, payload offset
 
 
-def read_block_range(path: str, start: int, end: int, header: Header | None = None) -> tuple[bytes, Header]:
+def read_block_range(
+    path: str, start: int, end: int, header: Header | None = None, direct: bool = False
+) -> tuple[bytes, Header]:
     """Bytes [start, end) of a block file's payload, reading and verifying only the segments they lie in,
     and the file's header (pass it back next time to skip reading it: a random read then costs one disk
     read, not two)."""
-    fd = _open_direct(path)
+    fd = _open_for_read(path, direct, random=True)
     try:
         length, digests, size = header = header or _read_header(fd)
         end = min(end, length)
@@ -176,19 +186,22 @@ def _scratch(size: int) -> memoryview:
     return memoryview(buffer)
 
 
-_direct_reads = True  # off for good once the file system refuses O_DIRECT
+_direct_supported = True  # off for good once the file system refuses O_DIRECT
 
 
-def _open_direct(path: str) -> int:
-    global _direct_reads
-    if _direct_reads:
+def _open_for_read(path: str, direct: bool, random: bool = False) -> int:
+    global _direct_supported
+    if direct and _direct_supported:
         try:
             return os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECT)
         except OSError as exc:
             if exc.errno != errno.EINVAL:
                 raise
-            _direct_reads = False
-    return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            _direct_supported = False
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    if random:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+    return fd
 
 
 def is_intact(stored: bytes) -> bool:

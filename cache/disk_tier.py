@@ -28,7 +28,9 @@ WRITE_BEHIND_BYTES = 256 << 20
 
 
 class DiskTier:
-    def __init__(self, directory: str | Path, capacity_bytes: int, stats: CacheStats) -> None:
+    def __init__(
+        self, directory: str | Path, capacity_bytes: int, stats: CacheStats, direct_io: bool = False
+    ) -> None:
         self.directory = Path(directory)
         self.capacity_bytes = capacity_bytes
         self.stats = stats
@@ -43,6 +45,7 @@ class DiskTier:
             statistics=False,
             tag_index=False,
         )
+        self._cache.direct_io = direct_io
         self.writer = DiskWriter(self._put_batch, WRITE_BEHIND_BYTES)
 
     def get(

@@ -69,6 +69,10 @@ class CacheSettings(BaseModel):
     metadata_ttl: float = Field(60.0, ge=0, description="seconds a stat or listing is trusted")
     readahead_size: Size = Field(64 << 20, description="bytes of read-ahead in flight per process")
     fetch_workers: int = Field(16, ge=1, le=256, description="parallel block fetches per process")
+    # The FUSE mount sets this: the kernel caches the files it serves, so caching its disk tier's files too
+    # would hold every byte twice (and copying blocks into the page cache costs more CPU here than the
+    # network transfer). The SDK goes through the page cache, which keeps the disk tier hot.
+    direct_io: bool = Field(False, description="write and read the disk tier with O_DIRECT")
 
     @field_validator("block_size")
     @classmethod

@@ -508,10 +508,12 @@ def test_metrics_endpoint(s3_server: SeaweedS3, raw_s3: s3fs.S3FileSystem, tmp_p
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
         assert "pffs_cache_misses_total 1.0" in text
         assert 'pffs_backend_requests_total{kind="get"}' in text
+        assert "pffs_files_prefetched_total 0.0" in text
         stats = pffs("stats", str(mount.path), "--json")
         assert json.loads(stats.stdout)["cache"]["misses"] == 1
         table = pffs("stats", str(mount.path))
         assert "backend requests" in table.stdout and "uploads pending" in table.stdout
+        assert "files fetched ahead" in table.stdout
 
 
 # The command line

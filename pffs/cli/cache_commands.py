@@ -111,6 +111,7 @@ def mount_stats(mountpoint: str, as_json: bool) -> int:
             "uploads pending / done / failed",
             f"{report['uploads_pending']} / {report['uploads_done']} / {report['upload_failures']}",
         ),
+        ("files fetched ahead (directory prefetch)", f"{report.get('files_prefetched', 0):,}"),
         ("open files", f"{report['open_files']}"),
     ]
     width = max(len(name) for name, _ in rows)

@@ -58,6 +58,11 @@ class MountCollector(Collector):
             "pffs_upload_failures", "uploads that failed", value=report["upload_failures"]
         )
         yield GaugeMetricFamily("pffs_open_files", "open file handles", value=report["open_files"])
+        yield CounterMetricFamily(
+            "pffs_files_prefetched",
+            "small files fetched ahead by directory prefetch",
+            value=report.get("files_prefetched", 0),
+        )
 
 
 def start_metrics_server(report: Callable[[], dict[str, Any]], address: str, port: int) -> None:

@@ -40,7 +40,8 @@ def serve(options: MountOptions, ready: Callable[[], None]) -> int:
     keep_freed_memory()
     with contextlib.ExitStack() as stack:
         backend, root = open_backend(options.source, options.backend)
-        vfs = Vfs(backend, options.cache)
+        # The kernel keeps what the mount serves in its page cache: the disk tier is read around it.
+        vfs = Vfs(backend, options.cache.model_copy(update={"direct_io": True}))
         stack.callback(vfs.cache.close)
         root_info = vfs.stat(root)  # the backend answers, the credentials work, the source exists
         if not root_info.is_dir:

@@ -55,6 +55,7 @@ class ReadAheadState:
         # Bytes read one after the other since the last seek. Read-ahead starts only past MIN_RUN: the
         # kernel splits some random 128 KiB reads in two requests, which would look sequential.
         self.run_bytes = 0
+        self.seeks = 0  # reads that did not follow the one before
         self.scheduled_up_to = -1  # highest block index already handed to the prefetcher
         self.pending: dict[int, Future[Block]] = {}
         self.lock = threading.Lock()  # a handle may be read from several threads (FUSE does)
@@ -73,6 +74,12 @@ class ReadAheadState:
                 future.cancel()
             self.pending.clear()
 
+    @property
+    def random(self) -> bool:
+        """The reader seeks: read only what it asks for, not whole blocks (a first read from the start,
+        or one following the last, is not random)."""
+        return self.window_blocks == 0 and self.seeks > 0
+
     def on_read(self, offset: int, end: int, last_block: int) -> range:
         """Records a read of [offset, end) and returns the block indexes to prefetch now."""
         if abs(offset - self.next_offset) <= self.slack_bytes and self.max_window_blocks:
@@ -82,6 +89,7 @@ class ReadAheadState:
             self.next_offset = max(self.next_offset, end)
         else:
             self.window_blocks = 0
+            self.seeks += 1
             self.run_bytes = end - offset
             self.scheduled_up_to = last_block
             self.next_offset = end

@@ -105,7 +105,7 @@ class ObjectReader:
             with state.lock:
                 ready = state.take(first, last)
                 self._read_ahead(info, state, offset, end, last)
-                random_access = state.window_blocks == 0
+                random_access = state.random
         if random_access and last - first <= 1 and not ready:
             # A random read: just its part of the cached block(s) it falls in, not whole 4 MiB loads.
             part = self._cached_part(info, offset, end, first, last)

@@ -123,10 +123,16 @@ _shared_caches: dict[tuple[object, ...], BlockCache] = {}
 
 def shared_block_cache(settings: CacheSettings) -> BlockCache:
     """One BlockCache (and so one memory tier) per cache directory per process, whatever reads through it."""
-    key = (os.getpid(), str(settings.cache_dir), settings.cache_size, settings.memory_cache_size)
+    key = (
+        os.getpid(),
+        str(settings.cache_dir),
+        settings.cache_size,
+        settings.memory_cache_size,
+        settings.direct_io,
+    )
     cache = _shared_caches.get(key)
     if cache is None:
         cache = _shared_caches[key] = BlockCache(
-            settings.cache_dir, settings.cache_size, settings.memory_cache_size
+            settings.cache_dir, settings.cache_size, settings.memory_cache_size, settings.direct_io
         )
     return cache
