@@ -41,6 +41,16 @@ def test_whole_reads_are_byte_exact_at_every_size(dataset: Path, cache_dir: Path
         assert sha256(fs.cat_file(f"f{size}.bin")) == sha256(expected)
 
 
+def test_a_small_file_read_twice_comes_from_memory_the_second_time(dataset: Path, cache_dir: Path) -> None:
+    fs = pffs_fs(str(dataset), cache_dir)
+    name, expected = f"f{BLOCK - 1}.bin", pattern(BLOCK - 1, seed=SIZES.index(BLOCK - 1))
+    assert fs.cat_file(name) == expected
+    before = fs.cache_stats()
+    assert fs.cat_file(name) == expected
+    after = fs.cache_stats()
+    assert (after["memory_hits"] - before["memory_hits"], after["disk_hits"] - before["disk_hits"]) == (1, 0)
+
+
 def test_reads_at_block_boundaries_and_past_eof(dataset: Path, cache_dir: Path) -> None:
     fs = pffs_fs(str(dataset), cache_dir)
     size = 3 * BLOCK + 7
