@@ -7,7 +7,7 @@ import sys
 from collections.abc import Sequence
 
 from pffs import __version__
-from pffs.cli import cache_commands, mount_commands, read_commands
+from pffs.cli import cache_commands, mount_commands, read_commands, scheduler_commands
 from pffs.cli.errors import EXIT_USAGE, run_reporting_errors
 from pffs.cli.logs import configure_logging
 
@@ -30,6 +30,7 @@ examples:
   pffs cat s3://datasets/labels.csv | head
   pffs stats --json
   pffs cache gc --verify
+  pffs extender --port 8888
 
 exit codes: 0 success, 1 the command failed (missing object, access denied, backend down),
 2 the command line is wrong (bad option, unknown URL scheme)."""
@@ -74,6 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     read_commands.add_parsers(sub, common)
     mount_commands.add_parsers(sub, common)
     cache_commands.add_parsers(sub, common)
+    scheduler_commands.add_parsers(sub, common)
     return parser
 
 

@@ -1,0 +1,100 @@
+"""Cache locality: how much of a pod's datasets a node already holds, from what the nodes publish.
+
+A node's pffs (its CSI node plugin) publishes what its disk cache holds on the Node object, as the
+annotation `pffs.io/cache`: JSON `{"datasets": {DATASET: {"cached_bytes": N, "total_bytes": M}}}`, where
+DATASET is the dataset's source URL (`s3://bucket/prefix`). A pod names the datasets it reads in its
+annotation `pffs.io/datasets` (comma-separated URLs), and pffs CSI inline volumes name theirs in their
+`source` volume attribute. Everything here reads plain Kubernetes JSON (dicts): no client library.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+CACHE_ANNOTATION = "pffs.io/cache"
+DATASETS_ANNOTATION = "pffs.io/datasets"
+CSI_DRIVER = "pffs.csi.io"
+
+
+class BadObject(ValueError):
+    """A Kubernetes object that is not shaped as the API defines it."""
+
+
+@dataclass(frozen=True)
+class CachedDataset:
+    cached_bytes: int
+    total_bytes: int  # 0 where the node does not know the dataset's size
+
+    @property
+    def fraction(self) -> float:
+        if self.total_bytes > 0:
+            return min(1.0, self.cached_bytes / self.total_bytes)
+        return 1.0 if self.cached_bytes > 0 else 0.0
+
+
+def normalize_dataset(url: str) -> str:
+    """One spelling per dataset: no trailing slash, s3a:// as s3://."""
+    url = url.strip().rstrip("/")
+    return "s3://" + url[len("s3a://") :] if url.startswith("s3a://") else url
+
+
+def _mapping(value: Any, what: str) -> Mapping[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise BadObject(f"{what} must be an object")
+    return value
+
+
+def pod_datasets(pod: Mapping[str, Any]) -> list[str]:
+    """The datasets a pod reads (annotation and pffs CSI inline volumes), each once, in order."""
+    metadata = _mapping(pod.get("metadata"), "Pod.metadata")
+    annotations = _mapping(metadata.get("annotations"), "Pod.metadata.annotations")
+    found: list[str] = []
+    listed = annotations.get(DATASETS_ANNOTATION, "")
+    if not isinstance(listed, str):
+        raise BadObject(f"annotation {DATASETS_ANNOTATION} must be a string")
+    found += [u for u in listed.split(",") if u.strip()]
+    spec = _mapping(pod.get("spec"), "Pod.spec")
+    volumes = spec.get("volumes") or []
+    if not isinstance(volumes, list):
+        raise BadObject("Pod.spec.volumes must be a list")
+    for volume in volumes:
+        csi = _mapping(_mapping(volume, "a volume").get("csi"), "volume.csi")
+        if csi.get("driver") == CSI_DRIVER:
+            source = _mapping(csi.get("volumeAttributes"), "volume.csi.volumeAttributes").get("source")
+            if isinstance(source, str) and source:
+                found.append(source)
+    return list(dict.fromkeys(normalize_dataset(u) for u in found))
+
+
+def node_cache(node: Mapping[str, Any]) -> dict[str, CachedDataset] | None:
+    """What a Node's pffs says it holds; None if the node publishes nothing (pffs does not run there).
+    A malformed annotation counts as nothing cached (a node's bad report must not fail a pod)."""
+    metadata = _mapping(node.get("metadata"), "Node.metadata")
+    annotations = _mapping(metadata.get("annotations"), "Node.metadata.annotations")
+    raw = annotations.get(CACHE_ANNOTATION)
+    if raw is None:
+        return None
+    try:
+        report = json.loads(raw) if isinstance(raw, str) else None
+        datasets = report.get("datasets", {}) if isinstance(report, dict) else {}
+        return {
+            normalize_dataset(url): CachedDataset(
+                int(entry.get("cached_bytes", 0)), int(entry.get("total_bytes", 0))
+            )
+            for url, entry in datasets.items()
+            if isinstance(entry, dict)
+        }
+    except (ValueError, TypeError, AttributeError):
+        return {}
+
+
+def locality(datasets: list[str], cache: Mapping[str, CachedDataset] | None) -> float:
+    """The mean fraction of each dataset the node holds: 0 (nothing, or no pffs) to 1 (all of them)."""
+    if not datasets or not cache:
+        return 0.0
+    return sum(cache[d].fraction if d in cache else 0.0 for d in datasets) / len(datasets)
