@@ -7,7 +7,7 @@ import sys
 from collections.abc import Sequence
 
 from pffs import __version__
-from pffs.cli import cache_commands, mount_commands, read_commands, scheduler_commands
+from pffs.cli import cache_commands, mount_commands, read_commands, sched_commands, scheduler_commands
 from pffs.cli.errors import EXIT_USAGE, run_reporting_errors
 from pffs.cli.logs import configure_logging
 
@@ -31,6 +31,7 @@ examples:
   pffs stats --json
   pffs cache gc --verify
   pffs extender --port 8888
+  pffs sched simulate --nodes NODES.csv --pods PODS.csv --policy pffs --seed 42
 
 exit codes: 0 success, 1 the command failed (missing object, access denied, backend down),
 2 the command line is wrong (bad option, unknown URL scheme)."""
@@ -76,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     mount_commands.add_parsers(sub, common)
     cache_commands.add_parsers(sub, common)
     scheduler_commands.add_parsers(sub, common)
+    sched_commands.add_parsers(sub)
     return parser
 
 

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import signal
+import sys
+from pathlib import Path
 from typing import Any
 
 EXTENDER_HELP = """\
@@ -32,6 +35,7 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
         help="address to listen on (default 127.0.0.1, beside kube-scheduler; 0.0.0.0 behind a Service)",
     )
     p.set_defaults(run=extender)
+    add_scheduler_parser(sub, common)
 
 
 def extender(args: argparse.Namespace) -> int:
@@ -55,3 +59,84 @@ def extender(args: argparse.Namespace) -> int:
 
 def _stop(signum: int, frame: object) -> None:
     raise SystemExit(0)  # out of serve_forever, through the finally that closes the socket
+
+
+SCHEDULER_HELP = """\
+A secondary Kubernetes scheduler for pods with `schedulerName: pffs-scheduler`: gangs (the scheduler-plugins
+label scheduling.x-k8s.io/pod-group, min member from the PodGroup or the pod annotation pffs.io/min-member),
+queues with quotas (--queues FILE, pod label pffs.io/queue), GPU packing, NVLink/ToR topology and cache
+locality. Every --interval seconds it lists Nodes, Pods and PodGroups, places whole gangs or nothing, binds
+through the Binding API (GPU indexes in the pod annotation pffs.io/gpus), evicts preempted gangs through the
+Eviction API, and marks waiting pods PodScheduled=False with the reason. Runs until SIGTERM or Ctrl-C.
+"""
+
+
+def add_scheduler_parser(sub: Any, common: argparse.ArgumentParser) -> None:
+    p = sub.add_parser(
+        "scheduler",
+        parents=[common],
+        help="run the pffs gang/GPU scheduler for pods with schedulerName: pffs-scheduler",
+        description=SCHEDULER_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=(
+            "examples:\n"
+            "  pffs scheduler --kubeconfig ~/.kube/config --queues deploy/scheduler/queues.yaml --once -v\n"
+            "  pffs scheduler --in-cluster --queues /etc/pffs/queues.yaml --interval 2"
+        ),
+    )
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--kubeconfig", type=Path, help="kubeconfig file (its current context)")
+    where.add_argument("--in-cluster", action="store_true", help="use the pod's service account")
+    p.add_argument("--context", help="kubeconfig context (default: current-context)")
+    p.add_argument("--queues", type=Path, help="queues YAML (default: one queue 'default' without limits)")
+    p.add_argument("--interval", type=float, default=2.0, help="seconds between cycles (default 2)")
+    p.add_argument("--scheduler-name", default="pffs-scheduler", help="schedulerName to serve")
+    p.add_argument("--once", action="store_true", help="run one cycle, print what it did, exit")
+    p.set_defaults(run=scheduler)
+
+
+def scheduler(args: argparse.Namespace) -> int:
+    import json
+    import threading
+
+    from pffs.cli.errors import UsageError
+    from pffs.scheduler.kube import ApiError, BadObject, Scheduler, in_cluster_api, kubeconfig_api
+    from pffs.scheduler.queues_config import QueuesConfigError, load_queues
+
+    if not args.interval > 0:
+        raise UsageError(f"--interval must be a positive number of seconds, not {args.interval}")
+    try:
+        queues, weights = load_queues(args.queues)
+        api = in_cluster_api() if args.in_cluster else kubeconfig_api(args.kubeconfig, args.context)
+    except (QueuesConfigError, BadObject) as exc:
+        raise UsageError(str(exc)) from None
+    session_weights = None
+    if weights is not None:
+        from pffs.scheduler.session import Weights
+
+        session_weights = Weights(**weights)
+    sched = Scheduler(api, queues, weights=session_weights, scheduler_name=args.scheduler_name)
+    if args.once:
+        try:
+            report = sched.cycle()
+        except ApiError as exc:
+            print(f"pffs: error: {exc}", file=sys.stderr)
+            return 1
+        print(
+            json.dumps(
+                {
+                    "bound": report.bound,
+                    "evicted": report.evicted,
+                    "pending": report.pending,
+                    "errors": report.errors,
+                },
+                indent=2,
+            )
+        )
+        return 1 if report.errors else 0
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())
+    print(f"pffs scheduler: serving schedulerName {args.scheduler_name} on {api.server}", flush=True)
+    with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C: stop as SIGTERM does
+        sched.run(args.interval, stop)
+    return 0

@@ -1,0 +1,173 @@
+"""The session's scoring plugins, and the vectorised arithmetic they share with it.
+
+Each plugin is a function of (state, pod, group context, candidate nodes) and returns one score in 0..1 per
+candidate node: they are vectorised across the candidates (NumPy arrays of node indices into the session's
+``ClusterState``), which is the same as calling a (state, pod, node) function once per node. Only feasible
+nodes are ever scored, so no score can override a hard constraint; the session adds the scores, each times
+its weight (``Weights``; 0 switches a plugin off), and takes the best node, ties to the lowest node name.
+
+- ``binpack``: how full the node is after the placement (GPU share for GPU pods, CPU and memory otherwise):
+  fills used nodes first, so a group touches few nodes and whole nodes stay free for big pods.
+- ``fragmentation``: in the spirit of FGD (Weng et al., USENIX ATC '23): the change of the node's expected
+  GPU fragment (the free GPU milli that the session's typical pod shapes could not use) that the placement
+  causes, squashed by a sigmoid; a tight-fitting sharing pod on a partly used GPU scores above one that
+  breaks an empty GPU.
+- ``topology``: a multi-GPU pod scores 1 where one NVLink group has its GPUs free, 0.5 where one NUMA
+  domain has, 0 where they would span domains (the GPU set itself is chosen by ``choose_gpus``).
+- ``tor``: 1 under a ToR switch the group already uses; elsewhere up to 0.5, by how much of the rest of the
+  group that ToR could still take.
+- ``locality``: the mean fraction of the group's datasets that the node's pffs cache holds warm.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import numpy.typing as npt
+
+from pffs.scheduler.objects import MILLI, Pod, PodGroup
+
+if TYPE_CHECKING:
+    from pffs.scheduler.session import ClusterState
+
+IntArray = npt.NDArray[np.int64]
+FloatArray = npt.NDArray[np.float64]
+BoolArray = npt.NDArray[np.bool_]
+
+BIG = 2**40  # "unbounded" fit count for a resource a shape does not ask for
+
+
+def is_sharing(pod: Pod) -> bool:
+    return pod.gpu_count == 1 and 0 < pod.gpu_milli < MILLI
+
+
+def uses_gpus(pod: Pod) -> bool:
+    return pod.gpu_count > 0 and pod.gpu_milli > 0
+
+
+@dataclass
+class GroupContext:
+    """What the plugins need to know about the group being placed: how many of its pods are still to go in
+    this attempt, and how warm each node is for its datasets."""
+
+    group: PodGroup
+    remaining: int
+    locality: FloatArray  # (nodes,)
+
+
+def gpu_rows_after(state: ClusterState, pod: Pod, nodes: IntArray, tightest: bool) -> IntArray:
+    """Each candidate node's free milli per GPU after the pod is placed there (the pod must fit).
+
+    A sharing pod takes the tightest-fitting GPU (``tightest``) or the first that fits; a whole-GPU pod
+    takes ``gpu_count`` fully free GPUs: which ones does not change the multiset of free amounts."""
+    rows = state.gpu_free[nodes].copy()
+    if not uses_gpus(pod) or len(nodes) == 0:
+        return rows
+    if is_sharing(pod):
+        fits = rows >= pod.gpu_milli
+        pick = np.argmin(np.where(fits, rows, BIG), axis=1) if tightest else np.argmax(fits, axis=1)
+        rows[np.arange(len(nodes)), pick] -= pod.gpu_milli
+    else:
+        full = rows >= MILLI
+        first_k = full & (np.cumsum(full, axis=1) <= pod.gpu_count)
+        rows = np.where(first_k, rows - pod.gpu_milli, rows)
+    return rows
+
+
+def fit_counts(
+    cpu_free: IntArray, mem_free: IntArray, gpu_rows: IntArray, pod: Pod
+) -> IntArray:  # how many pods shaped like ``pod`` fit on each node (static constraints aside)
+    n = np.full(len(cpu_free), BIG, dtype=np.int64)
+    if pod.cpu_milli > 0:
+        n = np.minimum(n, np.maximum(cpu_free, 0) // pod.cpu_milli)
+    if pod.memory_mib > 0:
+        n = np.minimum(n, np.maximum(mem_free, 0) // pod.memory_mib)
+    if uses_gpus(pod):
+        if pod.gpu_milli > MILLI:
+            return np.zeros(len(cpu_free), dtype=np.int64)
+        if is_sharing(pod):
+            n = np.minimum(n, (np.maximum(gpu_rows, 0) // pod.gpu_milli).sum(axis=1))
+        else:
+            n = np.minimum(n, (gpu_rows >= MILLI).sum(axis=1) // pod.gpu_count)
+    return n
+
+
+def binpack(state: ClusterState, pod: Pod, ctx: GroupContext, nodes: IntArray) -> FloatArray:
+    if uses_gpus(pod):
+        cap = state.gpu_count[nodes] * MILLI
+        used = cap - state.gpu_free[nodes].sum(axis=1) + pod.gpu_count * pod.gpu_milli
+        return np.clip(used / np.maximum(cap, 1), 0.0, 1.0)
+    cpu = (state.cpu_cap[nodes] - state.cpu_free[nodes] + pod.cpu_milli) / np.maximum(state.cpu_cap[nodes], 1)
+    mem = (state.mem_cap[nodes] - state.mem_free[nodes] + pod.memory_mib) / np.maximum(
+        state.mem_cap[nodes], 1
+    )
+    return np.clip((cpu + mem) / 2.0, 0.0, 1.0)
+
+
+def fragmentation(state: ClusterState, pod: Pod, ctx: GroupContext, nodes: IntArray) -> FloatArray:
+    shapes = state.typical
+    if shapes is None or len(nodes) == 0:
+        return np.full(len(nodes), 0.5)
+    bits = np.zeros(len(nodes), dtype=np.int64)  # shapes accept any model (see ClusterState.typical)
+    before = shapes.fragmentation(state.cpu_free[nodes], state.gpu_free[nodes], bits)
+    after = shapes.fragmentation(
+        state.cpu_free[nodes] - pod.cpu_milli, gpu_rows_after(state, pod, nodes, tightest=True), bits
+    )
+    # Growth of the fragment by a whole GPU's worth costs about 0.27; a fragment filled gains as much.
+    delta = np.clip((after - before) / MILLI, -50.0, 50.0)
+    return np.asarray(1.0 / (1.0 + np.exp(delta)), dtype=np.float64)
+
+
+def topology(state: ClusterState, pod: Pod, ctx: GroupContext, nodes: IntArray) -> FloatArray:
+    if not uses_gpus(pod) or pod.gpu_count < 2:
+        return np.ones(len(nodes))
+    full = state.gpu_free[nodes] >= MILLI  # (M, W)
+    per_link = np.einsum("mw,mwg->mg", full.astype(np.int64), state.nvlink_onehot[nodes])
+    per_numa = np.einsum("mw,mwg->mg", full.astype(np.int64), state.numa_onehot[nodes])
+    one_link = per_link.max(axis=1, initial=0) >= pod.gpu_count
+    one_numa = per_numa.max(axis=1, initial=0) >= pod.gpu_count
+    return np.where(one_link, 1.0, np.where(one_numa, 0.5, 0.0))
+
+
+def tor(state: ClusterState, pod: Pod, ctx: GroupContext, nodes: IntArray) -> FloatArray:
+    group = ctx.group
+    if len(group.pods) <= 1:
+        return np.ones(len(nodes))
+    used = np.zeros(len(state.tors), dtype=bool)
+    for i in state.group_nodes.get(group.name, ()):
+        used[state.tor_idx[i]] = True
+    cand_tor = state.tor_idx[nodes]
+    room = fit_counts(state.cpu_free, state.mem_free, state.gpu_free, pod) * state.static_mask(pod)
+    room_per_tor = np.bincount(
+        state.tor_idx, weights=np.minimum(room, ctx.remaining), minlength=len(state.tors)
+    )
+    share = np.minimum(1.0, room_per_tor[cand_tor] / max(ctx.remaining, 1))
+    return np.where(used[cand_tor], 1.0, 0.5 * share)
+
+
+def locality(state: ClusterState, pod: Pod, ctx: GroupContext, nodes: IntArray) -> FloatArray:
+    return ctx.locality[nodes]
+
+
+def group_locality(state: ClusterState, group: PodGroup) -> FloatArray:
+    """Per node: the mean fraction of the group's datasets its cache holds (0 for a group without any)."""
+    datasets = group.datasets
+    if not datasets:
+        return np.zeros(len(state.nodes))
+    return np.array(
+        [
+            sum(min(1.0, max(0.0, node.cached.get(d, 0.0))) for d in datasets) / len(datasets)
+            for node in state.nodes
+        ]
+    )
+
+
+PLUGINS = {
+    "binpack": binpack,
+    "fragmentation": fragmentation,
+    "topology": topology,
+    "tor": tor,
+    "locality": locality,
+}

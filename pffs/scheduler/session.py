@@ -1,0 +1,712 @@
+"""One scheduling session over a snapshot: enqueue, allocate (gangs), backfill, preempt and reclaim.
+
+``run_session`` is a pure function: it reads the nodes, queues, groups and running pods, and returns what to
+bind and what to evict; it does no I/O and is deterministic. Ties between equally scored nodes go to the
+lowest node name (nodes are sorted by name), ties between groups to the lowest group name.
+
+1. Enqueue. A group with no running pod is admitted only if its minimum (its ``min_member`` pods' requests)
+   fits its queue's ``capability`` on top of the queue's usage. A non-overcommit queue rejects it (the group
+   waits; the reason names the resource); an overcommit queue admits it and marks it overcommitted. Running
+   groups of an overcommit queue that is over its capability are marked too: those whose admission (in
+   ``created`` order) took the queue past it. A group whose queue is unknown waits.
+2. Allocate. Groups are taken in weight-fair order: the queue with the lowest dominant share divided by its
+   weight first (shares recomputed after every group), then higher priority, then earlier ``created``. A
+   group needs ``min_member`` minus its running pods placed now, all of them or none: its pods (largest first)
+   are placed tentatively and rolled back if the gang is not complete. A non-overcommit queue's usage never
+   passes its capability. If the weighted scores strand a gang, it is tried once more without the locality
+   and ToR scores, so locality can only reorder feasible choices, never lose a gang.
+3. Backfill. The first gang that waits for room (and that an empty cluster could hold) becomes the reserved
+   gang. Every placement after it in the order — later groups, and then the pods beyond ``min_member`` of
+   every group — from a group of no higher priority may only use room the reserved gang cannot use: on each
+   node, the number of the reserved gang's pods that fit must not drop. Small pods run in leftover room, and
+   the reserved gang's room grows as pods finish instead of being eaten by a stream of small ones.
+4. Preempt and reclaim. For each group still waiting for room, in order: victims are running groups of its
+   queue with lower priority (preempt), and running groups of reclaimable queues above their guaranteed, when
+   the waiting group's queue stays within its own guaranteed (reclaim); a victim queue is never taken below
+   its guaranteed. Victims are ordered overcommitted first, then lowest priority, then newest; they are
+   removed whole, one by one, until the waiting group fits (simulated); then each chosen victim whose return
+   would still let the group fit is given back; at the end, every victim that fits back beside all of the
+   session's placements is given back too, so each evicted group is needed. If the group would not fit
+   even with every candidate gone, nothing is evicted.
+
+Feasibility: CPU and memory fit; ``node_selector`` labels match; ``gpu_models`` (if any) holds the node's
+model; a sharing pod (one GPU, ``gpu_milli`` < 1000) needs one GPU with that much free; a k-GPU pod needs k
+fully free GPUs (and takes ``gpu_milli`` on each).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from pffs.scheduler import scoring
+from pffs.scheduler.fragmentation import TypicalShapes
+from pffs.scheduler.model import ANY_MODEL
+from pffs.scheduler.objects import MILLI, Node, Placement, Pod, PodGroup, Queue, Resources
+from pffs.scheduler.scoring import BoolArray, FloatArray, GroupContext, IntArray, is_sharing, uses_gpus
+
+RESOURCE_NAMES = ("cpu_milli", "memory_mib", "gpu_milli")
+
+
+@dataclass
+class Weights:
+    """Each plugin's weight; 0 switches it off."""
+
+    binpack: float = 1.0
+    fragmentation: float = 1.0
+    topology: float = 1.0
+    tor: float = 1.0
+    locality: float = 1.0
+
+
+@dataclass
+class SessionResult:
+    placements: list[Placement]  # new pods to bind (whole gangs only)
+    evictions: list[Placement]  # running pods to evict (whole groups only)
+    overcommitted: list[str]  # admitted groups marked overcommitted
+    pending: dict[str, str]  # group name -> one-line reason it still waits (quota, no fit, ...)
+
+
+def _usage_key(r: Resources) -> tuple[int, int, int]:
+    return (r.cpu_milli, r.memory_mib, r.gpu_milli)
+
+
+class ClusterState:
+    """What is free on each node (NumPy arrays indexed by node, sorted by name) and each queue's usage.
+
+    Changed only through ``assign`` and ``unassign``, which are exact inverses, so a tentative gang is
+    rolled back by undoing its assignments."""
+
+    def __init__(self, nodes: Sequence[Node]) -> None:
+        self.nodes = sorted(nodes, key=lambda n: n.name)
+        self.index = {n.name: i for i, n in enumerate(self.nodes)}
+        width = max((len(n.gpus) for n in self.nodes), default=0) or 1
+        n_nodes = len(self.nodes)
+        self.cpu_cap = np.array([n.cpu_milli for n in self.nodes], dtype=np.int64)
+        self.mem_cap = np.array([n.memory_mib for n in self.nodes], dtype=np.int64)
+        self.gpu_count = np.array([len(n.gpus) for n in self.nodes], dtype=np.int64)
+        self.cpu_free = self.cpu_cap.copy()
+        self.mem_free = self.mem_cap.copy()
+        slots = np.arange(width)
+        self.gpu_free = np.where(slots[None, :] < self.gpu_count[:, None], MILLI, 0).astype(np.int64)
+        # GPU index (as Placement names it) <-> slot in the node's row
+        self.slot_of = [{g.index: s for s, g in enumerate(n.gpus)} for n in self.nodes]
+        self.nvlink_onehot = self._onehot([[g.nvlink_group for g in n.gpus] for n in self.nodes], width)
+        self.numa_onehot = self._onehot([[g.numa for g in n.gpus] for n in self.nodes], width)
+        self.tors = sorted({n.tor for n in self.nodes})
+        tor_id = {t: i for i, t in enumerate(self.tors)}
+        self.tor_idx = np.array([tor_id[n.tor] for n in self.nodes], dtype=np.int64)
+        self.schedulable = np.array([n.schedulable for n in self.nodes], dtype=bool)
+        self.group_nodes: dict[str, Counter[int]] = {}  # group -> node -> pods there (running and placed)
+        self.usage: dict[str, Resources] = {}  # queue -> requests of its running and placed pods
+        self.queue_of: dict[str, str] = {}  # group -> queue
+        self.typical: TypicalShapes | None = None
+        self._static: dict[tuple[object, ...], BoolArray] = {}
+        self.totals = Resources(
+            int(self.cpu_cap.sum()), int(self.mem_cap.sum()), int(self.gpu_count.sum()) * MILLI
+        )
+        self.n_nodes = n_nodes
+
+    @staticmethod
+    def _onehot(ids: list[list[int]], width: int) -> IntArray:
+        distinct = sorted({i for row in ids for i in row}) or [0]
+        pos = {v: k for k, v in enumerate(distinct)}
+        out = np.zeros((len(ids), width, len(distinct)), dtype=np.int64)
+        for m, row in enumerate(ids):
+            for s, v in enumerate(row):
+                out[m, s, pos[v]] = 1
+        return out
+
+    def static_mask(self, pod: Pod) -> BoolArray:
+        """Nodes the pod may ever use: schedulable, labels match, GPU model accepted."""
+        key = (tuple(sorted(pod.node_selector.items())), pod.gpu_models if uses_gpus(pod) else frozenset())
+        mask = self._static.get(key)
+        if mask is None:
+            mask = self.schedulable.copy()
+            for i, node in enumerate(self.nodes):
+                if any(node.labels.get(k) != v for k, v in pod.node_selector.items()) or (
+                    uses_gpus(pod) and pod.gpu_models and node.gpu_model not in pod.gpu_models
+                ):
+                    mask[i] = False
+            self._static[key] = mask
+        return mask
+
+    def fits(self, pod: Pod) -> BoolArray:
+        """Nodes that can take the pod now."""
+        ok = self.static_mask(pod) & (self.cpu_free >= pod.cpu_milli) & (self.mem_free >= pod.memory_mib)
+        if uses_gpus(pod):
+            if pod.gpu_milli > MILLI:
+                return np.zeros(self.n_nodes, dtype=bool)
+            if is_sharing(pod):
+                ok &= (self.gpu_free >= pod.gpu_milli).any(axis=1)
+            else:
+                ok &= (self.gpu_free >= MILLI).sum(axis=1) >= pod.gpu_count
+        return ok
+
+    def assign(self, node: int, pod: Pod, slots: tuple[int, ...]) -> None:
+        self.cpu_free[node] -= pod.cpu_milli
+        self.mem_free[node] -= pod.memory_mib
+        for s in slots:
+            self.gpu_free[node, s] -= pod.gpu_milli
+        self.group_nodes.setdefault(pod.group, Counter())[node] += 1
+        self._add_usage(pod, +1)
+
+    def unassign(self, node: int, pod: Pod, slots: tuple[int, ...]) -> None:
+        self.cpu_free[node] += pod.cpu_milli
+        self.mem_free[node] += pod.memory_mib
+        for s in slots:
+            self.gpu_free[node, s] += pod.gpu_milli
+        counts = self.group_nodes[pod.group]
+        counts[node] -= 1
+        if counts[node] <= 0:
+            del counts[node]
+        self._add_usage(pod, -1)
+
+    def _add_usage(self, pod: Pod, sign: int) -> None:
+        queue = self.queue_of.get(pod.group)
+        if queue is None:
+            return
+        r = pod.request
+        old = self.usage.get(queue, Resources())
+        self.usage[queue] = old + r if sign > 0 else old - r
+
+    def share(self, queue: Queue) -> float:
+        """Dominant share of the cluster the queue uses, divided by its weight."""
+        used = self.usage.get(queue.name, Resources())
+        parts = [
+            getattr(used, r) / getattr(self.totals, r) for r in RESOURCE_NAMES if getattr(self.totals, r) > 0
+        ]
+        return max(parts, default=0.0) / max(queue.weight, 1)
+
+    def choose_gpus(self, node: int, pod: Pod, weights: Weights) -> tuple[int, ...]:
+        """The GPU slots the pod takes on ``node`` (it must fit there)."""
+        if not uses_gpus(pod):
+            return ()
+        free = self.gpu_free[node]
+        if is_sharing(pod):
+            cand = np.flatnonzero(free >= pod.gpu_milli)
+            if weights.fragmentation > 0:  # tightest fit: a partly used GPU before an empty one
+                return (int(cand[np.argmin(free[cand])]),)
+            return (int(cand[0]),)
+        full = np.flatnonzero(free >= MILLI)
+        k = pod.gpu_count
+        if weights.topology <= 0:
+            return tuple(int(s) for s in full[:k])
+        for onehot in (self.nvlink_onehot[node], self.numa_onehot[node]):
+            per = onehot[full].sum(axis=0)  # full GPUs per domain
+            ok = np.flatnonzero(per >= k)
+            if len(ok):
+                # best fit: the domain with fewest free GPUs that holds the pod keeps the roomier ones whole
+                dom = int(ok[np.argmin(per[ok])])
+                inside = full[onehot[full, dom] == 1]
+                return tuple(int(s) for s in inside[:k])
+        # no single domain: take from the NVLink groups with most free GPUs first (fewest groups spanned)
+        link = self.nvlink_onehot[node][full].argmax(axis=1)
+        per = np.bincount(link)
+        order = sorted(range(len(full)), key=lambda j: (-per[link[j]], link[j], full[j]))
+        return tuple(sorted(int(full[j]) for j in order[:k]))
+
+
+@dataclass
+class _Plan:
+    group: PodGroup
+    queue: Queue
+    need: int  # pods to place for the group to reach min_member
+    pending: list[Pod]  # its pods not running yet, largest first
+    admitted_over: bool = False
+    reason: str = ""
+    extras: list[Pod] = field(default_factory=list)
+
+
+Assignment = tuple[Pod, int, tuple[int, ...]]
+
+
+def _pod_size(pod: Pod) -> tuple[int, int, int, str]:
+    return (-pod.gpu_count * pod.gpu_milli, -pod.cpu_milli, -pod.memory_mib, pod.name)
+
+
+def _pod_shape(pod: Pod) -> tuple[object, ...]:
+    return (
+        pod.cpu_milli,
+        pod.memory_mib,
+        pod.gpu_count,
+        pod.gpu_milli,
+        pod.gpu_models,
+        tuple(sorted(pod.node_selector.items())),
+    )
+
+
+def _fmt(r: Resources) -> str:
+    return f"cpu {r.cpu_milli}m, memory {r.memory_mib}Mi, gpu {r.gpu_milli}m"
+
+
+def _over(amount: Resources, limit: Resources) -> list[str]:
+    return [r for r in RESOURCE_NAMES if getattr(amount, r) > getattr(limit, r)]
+
+
+def _sum(pods: Iterable[Pod]) -> Resources:
+    total = Resources()
+    for p in pods:
+        total = total + p.request
+    return total
+
+
+class _Session:
+    def __init__(
+        self,
+        nodes: Sequence[Node],
+        queues: Sequence[Queue],
+        groups: Sequence[PodGroup],
+        running: Sequence[Placement],
+        weights: Weights,
+    ) -> None:
+        self.state = ClusterState(nodes)
+        self.weights = weights
+        self.queues = {q.name: q for q in queues}
+        self.groups = {g.name: g for g in sorted(groups, key=lambda g: g.name)}
+        self.state.queue_of = {g.name: g.queue for g in self.groups.values() if g.queue in self.queues}
+        self.placements: list[Placement] = []
+        self.placed_groups: set[str] = set()
+        self.evicted: dict[str, list[Placement]] = {}
+        self.overcommitted: set[str] = set()
+        self.pending: dict[str, str] = {}
+        self._locality: dict[str, FloatArray] = {}
+        self.running_by_group: dict[str, list[tuple[Placement, int, tuple[int, ...]]]] = {}
+        for p in sorted(running, key=lambda p: (p.pod.group, p.pod.name)):
+            node = self.state.index.get(p.node)
+            slots: tuple[int, ...] = ()
+            if node is not None:
+                slot_of = self.state.slot_of[node]
+                slots = tuple(slot_of[g] for g in p.gpus if g in slot_of)
+                self.state.assign(node, p.pod, slots)
+            elif p.pod.group in self.state.queue_of:
+                self.state._add_usage(p.pod, +1)  # on a node we do not see: still counts against the queue
+            self.running_by_group.setdefault(p.pod.group, []).append((p, -1 if node is None else node, slots))
+        self.state.typical = self._typical_shapes()
+
+    def _typical_shapes(self) -> TypicalShapes | None:
+        """The session's pod shapes by frequency (FGD's 'typical pods'), any GPU model accepted."""
+        counts = Counter(
+            (p.cpu_milli, p.gpu_milli if uses_gpus(p) else 0, p.gpu_count if uses_gpus(p) else 0)
+            for g in self.groups.values()
+            for p in g.pods
+        )
+        if not any(share for _, share, _ in counts):
+            return None
+        ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
+        total = sum(counts.values())
+        kept, covered = [], 0
+        for shape, c in ranked:  # the most frequent shapes covering 95% of pods
+            if covered >= 0.95 * total:
+                break
+            kept.append((shape, c))
+            covered += c
+        return TypicalShapes(
+            np.array([s[0] for s, _ in kept], dtype=np.int64),
+            np.array([s[1] for s, _ in kept], dtype=np.int64),
+            np.array([s[2] for s, _ in kept], dtype=np.int64),
+            np.full(len(kept), ANY_MODEL, dtype=np.int64),
+            np.array([c / covered for _, c in kept], dtype=np.float64),
+        )
+
+    # --- scoring and placing -------------------------------------------------------------------------
+
+    def locality(self, group: PodGroup) -> FloatArray:
+        vec = self._locality.get(group.name)
+        if vec is None:
+            vec = self._locality[group.name] = scoring.group_locality(self.state, group)
+        return vec
+
+    def best_node(
+        self, pod: Pod, ctx: GroupContext, weights: Weights, allowed: BoolArray | None
+    ) -> int | None:
+        mask = self.state.fits(pod)
+        if allowed is not None:
+            mask &= allowed
+        cand = np.flatnonzero(mask)
+        if len(cand) == 0:
+            return None
+        if len(cand) == 1:
+            return int(cand[0])
+        total = np.zeros(len(cand))
+        for name, plugin in scoring.PLUGINS.items():
+            w = getattr(weights, name)
+            if w > 0:
+                total += w * plugin(self.state, pod, ctx, cand)
+        return int(cand[int(np.argmax(total))])  # first maximum: lowest node name
+
+    def quota_ok(self, queue: Queue, pod: Pod) -> bool:
+        if queue.overcommit:
+            return True
+        used = self.state.usage.get(queue.name, Resources()) + pod.request
+        return used.fits_within(queue.capability)
+
+    def try_pods(
+        self,
+        plan: _Plan,
+        pods: Sequence[Pod],
+        need: int,
+        weights: Weights,
+        guard: Callable[[Pod], BoolArray | None] | None = None,
+    ) -> tuple[list[Assignment], int]:
+        """Place ``need`` of ``pods`` (in order, skipping those that do not fit) or none; returns the
+        assignments (applied to the state) and the best count reached."""
+        done: list[Assignment] = []
+        ctx = GroupContext(plan.group, need, self.locality(plan.group))
+        for k, pod in enumerate(pods):
+            if len(done) >= need or len(pods) - k < need - len(done):
+                break
+            if not self.quota_ok(plan.queue, pod):
+                continue
+            ctx.remaining = need - len(done)
+            node = self.best_node(pod, ctx, weights, guard(pod) if guard else None)
+            if node is None:
+                continue
+            slots = self.state.choose_gpus(node, pod, weights)
+            self.state.assign(node, pod, slots)
+            done.append((pod, node, slots))
+        if len(done) >= need:
+            return done, len(done)
+        reached = len(done)
+        self.undo(done)
+        return [], reached
+
+    def undo(self, done: Iterable[Assignment]) -> None:
+        for pod, node, slots in reversed(list(done)):
+            self.state.unassign(node, pod, slots)
+
+    def place_gang(
+        self, plan: _Plan, guard: Callable[[Pod], BoolArray | None] | None = None
+    ) -> tuple[list[Assignment], int]:
+        done, reached = self.try_pods(plan, plan.pending, plan.need, self.weights, guard)
+        if not done and (self.weights.locality > 0 or self.weights.tor > 0) and plan.need > 1:
+            # the soft group scores must not strand a gang: once more on packing, topology, fragments only
+            plain = replace(self.weights, locality=0.0, tor=0.0)
+            done, again = self.try_pods(plan, plan.pending, plan.need, plain, guard)
+            reached = max(reached, again)
+        return done, reached
+
+    def commit(self, done: list[Assignment]) -> None:
+        for pod, node, slots in done:
+            gpus = self.state.nodes[node].gpus
+            self.placements.append(
+                Placement(pod, self.state.nodes[node].name, tuple(gpus[s].index for s in slots))
+            )
+            self.placed_groups.add(pod.group)
+
+    # --- the actions ---------------------------------------------------------------------------------
+
+    def enqueue(self) -> list[_Plan]:
+        self._mark_running_overcommitted()
+        plans = []
+        for group in self.groups.values():
+            queue = self.queues.get(group.queue)
+            running_pods = {p.pod.name for p, _, _ in self.running_by_group.get(group.name, [])}
+            pending = sorted((p for p in group.pods if p.name not in running_pods), key=_pod_size)
+            need = max(0, group.min_member - len(running_pods))
+            if queue is None:
+                if pending or need:
+                    self.pending[group.name] = f"queue {group.queue!r} is unknown"
+                continue
+            if not pending:
+                if need:
+                    self.pending[group.name] = (
+                        f"{len(running_pods)} of min_member {group.min_member} pods exist"
+                    )
+                continue
+            plan = _Plan(group, queue, need, pending)
+            if need > len(pending):
+                self.pending[group.name] = (
+                    f"group has {len(group.pods)} pods, fewer than min_member {group.min_member}"
+                )
+                continue
+            if not running_pods:  # a new group: admission against the queue's capability
+                minimum = _sum(pending[:need])
+                total = self.state.usage.get(queue.name, Resources()) + minimum
+                over = _over(total, queue.capability)
+                if over and not queue.overcommit:
+                    self.pending[group.name] = (
+                        f"quota: queue {queue.name!r} would exceed its capability in {', '.join(over)} "
+                        f"(usage + minimum = {_fmt(total)})"
+                    )
+                    continue
+                if over:
+                    plan.admitted_over = True
+                    self.overcommitted.add(group.name)
+            plan.extras = pending[need:]
+            plan.pending = pending[:need] if need else []
+            plans.append(plan)
+        return plans
+
+    def _mark_running_overcommitted(self) -> None:
+        for queue in self.queues.values():
+            if not queue.overcommit:
+                continue
+            if not _over(self.state.usage.get(queue.name, Resources()), queue.capability):
+                continue
+            names = [g for g in self.running_by_group if self.state.queue_of.get(g) == queue.name]
+            names.sort(key=lambda g: (self.groups[g].created, g))  # admission order
+            acc = Resources()
+            for g in names:
+                acc = acc + _sum(p.pod for p, _, _ in self.running_by_group[g])
+                if _over(acc, queue.capability):
+                    self.overcommitted.add(g)
+
+    def fair_order(self, plans: list[_Plan]) -> Iterable[_Plan]:
+        """Yield plans lowest queue share (per weight) first, then priority, then age; shares are re-read
+        after each plan is handled."""
+        by_queue: dict[str, list[_Plan]] = {}
+        for plan in sorted(plans, key=lambda p: (-p.group.priority, p.group.created, p.group.name)):
+            by_queue.setdefault(plan.queue.name, []).append(plan)
+        while by_queue:
+            name = min(
+                by_queue,
+                key=lambda q: (
+                    self.state.share(self.queues[q]),
+                    -by_queue[q][0].group.priority,
+                    by_queue[q][0].group.created,
+                    q,
+                ),
+            )
+            plan = by_queue[name].pop(0)
+            if not by_queue[name]:
+                del by_queue[name]
+            yield plan
+
+    def allocate_and_backfill(self, plans: list[_Plan]) -> list[_Plan]:
+        waiting: list[_Plan] = []
+        reserved: _Plan | None = None
+        guard: Callable[[Pod], BoolArray | None] | None = None
+        failed_shapes: set[tuple[object, ...]] = set()
+        handled: list[_Plan] = []
+        for plan in self.fair_order(plans):
+            handled.append(plan)
+            if plan.need == 0:
+                continue
+            g = guard if reserved is not None and plan.group.priority <= reserved.group.priority else None
+            shape = (plan.queue.name, plan.need, tuple(_pod_shape(p) for p in plan.pending), g is not None)
+            if shape in failed_shapes:  # an identical gang already failed on this (only fuller) state
+                reached = 0
+                done: list[Assignment] = []
+            else:
+                done, reached = self.place_gang(plan, g)
+            if done:
+                self.commit(done)
+                continue
+            failed_shapes.add(shape)
+            plan.reason = self._no_fit_reason(plan, reached)
+            waiting.append(plan)
+            if (
+                reserved is None
+                and plan.need > 1
+                and not plan.reason.startswith("quota")
+                and self._ever_fits(plan)
+            ):
+                reserved = plan
+                guard = self._make_guard(plan)
+        # the pods beyond min_member, of groups that have their minimum
+        for plan in handled:
+            if not plan.extras or (plan.need and plan.group.name not in self.placed_groups):
+                continue
+            g = guard if reserved is not None and plan.group.priority <= reserved.group.priority else None
+            for pod in plan.extras:
+                done, _ = self.try_pods(plan, [pod], 1, self.weights, g)
+                self.commit(done)
+        return waiting
+
+    def _no_fit_reason(self, plan: _Plan, reached: int) -> str:
+        need = plan.need
+        if not any(self.quota_ok(plan.queue, p) for p in plan.pending):
+            return f"quota: queue {plan.queue.name!r} is at its capability"
+        return f"no fit: {reached} of the {need} pods needed for min_member {plan.group.min_member} fit now"
+
+    def _ever_fits(self, plan: _Plan) -> bool:
+        """Whether the gang fits an empty cluster (a gang that never can must not reserve room)."""
+        saved = (self.state.cpu_free, self.state.mem_free, self.state.gpu_free, self.state.group_nodes)
+        saved_usage = dict(self.state.usage)
+        self.state.cpu_free = self.state.cpu_cap.copy()
+        self.state.mem_free = self.state.mem_cap.copy()
+        slots = np.arange(self.state.gpu_free.shape[1])
+        self.state.gpu_free = np.where(slots[None, :] < self.state.gpu_count[:, None], MILLI, 0).astype(
+            np.int64
+        )
+        self.state.group_nodes = {}
+        try:
+            queue = replace(plan.queue, overcommit=True)  # room only: quota is not the question here
+            done, _ = self.place_gang(replace(plan, queue=queue))
+            return bool(done)
+        finally:
+            self.state.cpu_free, self.state.mem_free, self.state.gpu_free, self.state.group_nodes = saved
+            self.state.usage = saved_usage
+
+    def _make_guard(self, reserved: _Plan) -> Callable[[Pod], BoolArray | None]:
+        shapes = list(
+            {(p.cpu_milli, p.memory_mib, p.gpu_count, p.gpu_milli): p for p in reserved.pending}.values()
+        )
+        state = self.state
+
+        def guard(pod: Pod) -> BoolArray:
+            # nodes where placing ``pod`` leaves room for as many of the reserved gang's pods as now
+            allowed = np.ones(state.n_nodes, dtype=bool)
+            cand = np.flatnonzero(state.fits(pod))
+            if len(cand) == 0:
+                return allowed
+            rows = scoring.gpu_rows_after(state, pod, cand, tightest=self.weights.fragmentation > 0)
+            for shape in shapes:
+                reach = state.static_mask(shape)[cand]
+                now = scoring.fit_counts(
+                    state.cpu_free[cand], state.mem_free[cand], state.gpu_free[cand], shape
+                )
+                after = scoring.fit_counts(
+                    state.cpu_free[cand] - pod.cpu_milli, state.mem_free[cand] - pod.memory_mib, rows, shape
+                )
+                allowed[cand] &= ~reach | (after >= now)
+            return allowed
+
+        return guard
+
+    def preempt_and_reclaim(self, waiting: list[_Plan]) -> None:
+        for plan in waiting:
+            if plan.group.name in self.placed_groups:
+                continue
+            victims = self._victim_candidates(plan)
+            if victims:
+                self._evict_for(plan, victims)
+            if plan.group.name not in self.placed_groups:
+                self.pending[plan.group.name] = plan.reason
+        # a later eviction can free more than its beneficiary took: give back every victim that now fits
+        for name in reversed(list(self.evicted)):
+            if self._restore_fits(name):
+                del self.evicted[name]
+                del self.pending[name]
+
+    def _victim_candidates(self, plan: _Plan) -> list[str]:
+        queue = plan.queue
+        minimum = _sum(plan.pending)
+        used = self.state.usage.get(queue.name, Resources()) + minimum
+        guaranteed = queue.guaranteed
+        declared = [r for r in RESOURCE_NAMES if getattr(guaranteed, r) > 0]
+        may_reclaim = bool(declared) and all(getattr(used, r) <= getattr(guaranteed, r) for r in declared)
+        reach = np.zeros(self.state.n_nodes, dtype=bool)
+        for pod in plan.pending:
+            reach |= self.state.static_mask(pod)
+        out = []
+        for name, pods in self.running_by_group.items():
+            if name in self.evicted or name in self.placed_groups or name not in self.state.queue_of:
+                continue
+            victim = self.groups[name]
+            vq = self.queues[victim.queue]
+            if not any(node >= 0 and reach[node] for _, node, _ in pods):
+                continue  # frees nothing the waiting group could use
+            if victim.queue == queue.name:
+                if victim.priority < plan.group.priority:
+                    out.append(name)
+            elif may_reclaim and vq.reclaimable:
+                out.append(name)
+        out.sort(
+            key=lambda g: (g not in self.overcommitted, self.groups[g].priority, -self.groups[g].created, g)
+        )
+        return out
+
+    def _above_guaranteed(self, queue: Queue, freed: Resources) -> bool:
+        """Whether the queue, after giving up ``freed``, still holds its guaranteed in what ``freed`` uses."""
+        used = self.state.usage.get(queue.name, Resources())
+        return all(
+            getattr(used, r) - getattr(freed, r) >= getattr(queue.guaranteed, r)
+            for r in RESOURCE_NAMES
+            if getattr(freed, r) > 0
+        )
+
+    def _remove(self, name: str) -> None:
+        for p, node, slots in self.running_by_group[name]:
+            if node >= 0:
+                self.state.unassign(node, p.pod, slots)
+            else:
+                self.state._add_usage(p.pod, -1)
+
+    def _restore(self, name: str) -> None:
+        for p, node, slots in self.running_by_group[name]:
+            if node >= 0:
+                self.state.assign(node, p.pod, slots)
+            else:
+                self.state._add_usage(p.pod, +1)
+
+    def _restore_fits(self, name: str) -> bool:
+        """Put an evicted group back if that over-allocates nothing and keeps its queue within quota."""
+        self._restore(name)
+        nodes = [node for _, node, _ in self.running_by_group[name] if node >= 0]
+        st = self.state
+        ok = all(st.cpu_free[n] >= 0 and st.mem_free[n] >= 0 and (st.gpu_free[n] >= 0).all() for n in nodes)
+        queue = self.queues[self.groups[name].queue]
+        if not queue.overcommit:
+            ok = ok and st.usage.get(queue.name, Resources()).fits_within(queue.capability)
+        if not ok:
+            self._remove(name)
+        return ok
+
+    def _fits_now(self, plan: _Plan) -> bool:
+        done, _ = self.place_gang(plan)
+        self.undo(done)
+        return bool(done)
+
+    def _evict_for(self, plan: _Plan, candidates: list[str]) -> None:
+        chosen: list[str] = []
+        fits = False
+        for name in candidates:
+            victim = self.groups[name]
+            if victim.queue != plan.queue.name:
+                freed = _sum(p.pod for p, _, _ in self.running_by_group[name])
+                if not self._above_guaranteed(self.queues[victim.queue], freed):
+                    continue
+            self._remove(name)
+            chosen.append(name)
+            if self._fits_now(plan):
+                fits = True
+                break
+        if not fits:
+            for name in reversed(chosen):
+                self._restore(name)
+            return
+        # give back every victim the group does not need (latest chosen are the most likely to be needed)
+        for name in list(reversed(chosen[:-1])):
+            self._restore(name)
+            if self._fits_now(plan):
+                chosen.remove(name)
+            else:
+                self._remove(name)
+        done, _ = self.place_gang(plan)
+        assert done, "the group fitted in simulation"
+        self.commit(done)
+        # a victim whose pods still fit beside the placement as made (and within its queue's quota) stays
+        for name in list(reversed(chosen)):
+            if self._restore_fits(name):
+                chosen.remove(name)
+        for name in chosen:
+            self.evicted[name] = [p for p, _, _ in self.running_by_group[name]]
+            self.pending[name] = f"evicted (whole group) to make room for {plan.group.name!r}"
+
+    def run(self) -> SessionResult:
+        plans = self.enqueue()
+        waiting = self.allocate_and_backfill(plans)
+        self.preempt_and_reclaim(waiting)
+        evictions = [p for name in sorted(self.evicted) for p in self.evicted[name]]
+        return SessionResult(
+            self.placements, evictions, sorted(self.overcommitted), dict(sorted(self.pending.items()))
+        )
+
+
+def run_session(
+    nodes: Sequence[Node],
+    queues: Sequence[Queue],
+    groups: Sequence[PodGroup],
+    running: Sequence[Placement],
+    weights: Weights | None = None,
+) -> SessionResult:
+    """One scheduling session: what to bind and what to evict, given the cluster as it is now.
+
+    ``groups`` holds every group, running and pending; ``running`` where each running pod is. Placements
+    use only room free after ``evictions`` are gone (evicted groups are listed whole)."""
+    return _Session(nodes, queues, groups, running, weights or Weights()).run()
