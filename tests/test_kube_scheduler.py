@@ -30,16 +30,15 @@ import yaml
 from pffs.cli.main import main
 from pffs.scheduler.kube import (
     BadObject,
-    KubeApi,
     Scheduler,
     build_snapshot,
-    kubeconfig_api,
     node_from_json,
     parse_quantity,
     pod_from_json,
     pod_requests,
     tolerates,
 )
+from pffs.scheduler.kube_api import KubeApi, kubeconfig_api
 from pffs.scheduler.objects import MILLI, UNLIMITED, Gpu, Queue, Resources
 from pffs.scheduler.queues_config import QueuesConfigError, load_queues, parse_queues
 

@@ -100,7 +100,8 @@ def scheduler(args: argparse.Namespace) -> int:
     import threading
 
     from pffs.cli.errors import UsageError
-    from pffs.scheduler.kube import ApiError, BadObject, Scheduler, in_cluster_api, kubeconfig_api
+    from pffs.scheduler.kube import BadObject, Scheduler
+    from pffs.scheduler.kube_api import ApiError, in_cluster_api, kubeconfig_api
     from pffs.scheduler.queues_config import QueuesConfigError, load_queues
 
     if not args.interval > 0:

@@ -35,27 +35,20 @@ goes on. NoSchedule/NoExecute taints are honoured (as synthetic node selectors, 
 
 from __future__ import annotations
 
-import base64
 import json
 import logging
 import math
-import os
 import re
-import ssl
-import tempfile
 import threading
 import time
-import urllib.error
-import urllib.parse
-import urllib.request
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from fractions import Fraction
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pffs.scheduler.locality import BadObject, node_cache, pod_datasets
+from pffs.scheduler.kube_api import ApiError, KubeApi
+from pffs.scheduler.locality import BadObject, json_list, json_object, node_cache, pod_datasets
 from pffs.scheduler.objects import MILLI, Gpu, Node, Placement, Pod, PodGroup, Queue
 
 if TYPE_CHECKING:
@@ -120,24 +113,8 @@ def _amount(value: Any, what: str) -> Fraction:
 # ---------------------------------------------------------------------------------------------- helpers
 
 
-def _map(value: Any, what: str) -> Mapping[str, Any]:
-    if value is None:
-        return {}
-    if not isinstance(value, Mapping):
-        raise BadObject(f"{what} must be an object, not {type(value).__name__}")
-    return value
-
-
-def _list(value: Any, what: str) -> list[Any]:
-    if value is None:
-        return []
-    if not isinstance(value, list):
-        raise BadObject(f"{what} must be a list, not {type(value).__name__}")
-    return value
-
-
 def _str_map(value: Any, what: str) -> dict[str, str]:
-    mapping = _map(value, what)
+    mapping = json_object(value, what)
     for k, v in mapping.items():
         if not isinstance(v, str):
             raise BadObject(f"{what}[{k!r}] must be a string, not {type(v).__name__}")
@@ -146,7 +123,7 @@ def _str_map(value: Any, what: str) -> dict[str, str]:
 
 def object_key(obj: Mapping[str, Any], kind: str) -> str:
     """'namespace/name' (or 'name' for a cluster-scoped object), or BadObject."""
-    metadata = _map(obj.get("metadata"), f"{kind}.metadata")
+    metadata = json_object(obj.get("metadata"), f"{kind}.metadata")
     name = metadata.get("name")
     if not isinstance(name, str) or not name:
         raise BadObject(f"a {kind} has no metadata.name")
@@ -174,12 +151,12 @@ def node_from_json(obj: Mapping[str, Any]) -> Node:
     """A Node object as the core's Node (``schedulable`` False if cordoned or not Ready)."""
     name = object_key(obj, "Node")
     what = f"Node {name}"
-    metadata = _map(obj.get("metadata"), f"{what}: metadata")
+    metadata = json_object(obj.get("metadata"), f"{what}: metadata")
     labels = _str_map(metadata.get("labels"), f"{what}: metadata.labels")
     annotations = _str_map(metadata.get("annotations"), f"{what}: metadata.annotations")
-    spec = _map(obj.get("spec"), f"{what}: spec")
-    status = _map(obj.get("status"), f"{what}: status")
-    allocatable = _map(status.get("allocatable"), f"{what}: status.allocatable")
+    spec = json_object(obj.get("spec"), f"{what}: spec")
+    status = json_object(obj.get("status"), f"{what}: status")
+    allocatable = json_object(status.get("allocatable"), f"{what}: status.allocatable")
     for key in ("cpu", "memory"):
         if key not in allocatable:
             raise BadObject(f"{what}: status.allocatable has no {key}")
@@ -190,7 +167,7 @@ def node_from_json(obj: Mapping[str, Any]) -> Node:
         raise BadObject(f"{what}: allocatable {GPU_RESOURCE} must be a whole number, not {gpus}")
     ready = any(
         isinstance(c, Mapping) and c.get("type") == "Ready" and c.get("status") == "True"
-        for c in _list(status.get("conditions"), f"{what}: status.conditions")
+        for c in json_list(status.get("conditions"), f"{what}: status.conditions")
     )
     cache = node_cache(obj)
     return Node(
@@ -243,11 +220,11 @@ def _gpu_topology(raw: str | None, count: int, what: str) -> tuple[Gpu, ...]:
 
 
 def _requests(container: Any, what: str) -> dict[str, Fraction]:
-    container = _map(container, what)
-    resources = _map(container.get("resources"), f"{what}.resources")
-    requests = dict(_map(resources.get("requests"), f"{what}.resources.requests"))
+    container = json_object(container, what)
+    resources = json_object(container.get("resources"), f"{what}.resources")
+    requests = dict(json_object(resources.get("requests"), f"{what}.resources.requests"))
     # The API server defaults a missing request to its limit; do the same for objects that skipped it.
-    for key, value in _map(resources.get("limits"), f"{what}.resources.limits").items():
+    for key, value in json_object(resources.get("limits"), f"{what}.resources.limits").items():
         requests.setdefault(key, value)
     return {k: _amount(v, f"{what} request {k}") for k, v in requests.items()}
 
@@ -267,15 +244,15 @@ def pod_requests(pod: Mapping[str, Any]) -> dict[str, Fraction]:
     """What a pod needs of each resource, computed as kube-scheduler does (component-helpers PodRequests):
     the sum over containers, sidecars (init containers with restartPolicy Always) added to it, against the
     largest plain init container (plus the sidecars started before it), plus spec.overhead."""
-    spec = _map(pod.get("spec"), "spec")
+    spec = json_object(pod.get("spec"), "spec")
     total: dict[str, Fraction] = {}
-    for i, container in enumerate(_list(spec.get("containers"), "spec.containers")):
+    for i, container in enumerate(json_list(spec.get("containers"), "spec.containers")):
         total = _add(total, _requests(container, f"spec.containers[{i}]"))
     sidecars: dict[str, Fraction] = {}
     init_peak: dict[str, Fraction] = {}
-    for i, container in enumerate(_list(spec.get("initContainers"), "spec.initContainers")):
+    for i, container in enumerate(json_list(spec.get("initContainers"), "spec.initContainers")):
         requests = _requests(container, f"spec.initContainers[{i}]")
-        if _map(container, "init container").get("restartPolicy") == "Always":
+        if json_object(container, "init container").get("restartPolicy") == "Always":
             total = _add(total, requests)
             sidecars = _add(sidecars, requests)
             requests = sidecars
@@ -284,7 +261,7 @@ def pod_requests(pod: Mapping[str, Any]) -> dict[str, Fraction]:
         init_peak = _maximum(init_peak, requests)
     total = _maximum(total, init_peak)
     overhead = {
-        k: _amount(v, f"spec.overhead {k}") for k, v in _map(spec.get("overhead"), "overhead").items()
+        k: _amount(v, f"spec.overhead {k}") for k, v in json_object(spec.get("overhead"), "overhead").items()
     }
     return _add(total, overhead)
 
@@ -303,10 +280,10 @@ def single_group(pod_key: str) -> str:
 
 
 def _pod(obj: Mapping[str, Any], key: str, group: str) -> Pod:
-    metadata = _map(obj.get("metadata"), "metadata")
+    metadata = json_object(obj.get("metadata"), "metadata")
     annotations = _str_map(metadata.get("annotations"), "metadata.annotations")
     _str_map(metadata.get("labels"), "metadata.labels")
-    spec = _map(obj.get("spec"), "spec")
+    spec = json_object(obj.get("spec"), "spec")
     node_selector = _str_map(spec.get("nodeSelector"), "spec.nodeSelector")
     requests = pod_requests(obj)
     cpu = math.ceil(requests.get("cpu", Fraction(0)) * MILLI)
@@ -351,18 +328,20 @@ def _pod(obj: Mapping[str, Any], key: str, group: str) -> Pod:
 
 
 def pod_priority(obj: Mapping[str, Any]) -> int:
-    priority = _map(obj.get("spec"), "spec").get("priority")
+    priority = json_object(obj.get("spec"), "spec").get("priority")
     return priority if isinstance(priority, int) and not isinstance(priority, bool) else 0
 
 
 def is_terminal(obj: Mapping[str, Any]) -> bool:
-    return _map(obj.get("status"), "status").get("phase") in ("Succeeded", "Failed")
+    return json_object(obj.get("status"), "status").get("phase") in ("Succeeded", "Failed")
 
 
 def tolerates(pod: Mapping[str, Any], node: Mapping[str, Any]) -> bool:
     """Whether the pod tolerates every NoSchedule/NoExecute taint of the node (PreferNoSchedule is advice)."""
-    tolerations = [t for t in _list(_map(pod.get("spec"), "spec").get("tolerations"), "tolerations") if t]
-    for taint in _list(_map(node.get("spec"), "spec").get("taints"), "taints"):
+    tolerations = [
+        t for t in json_list(json_object(pod.get("spec"), "spec").get("tolerations"), "tolerations") if t
+    ]
+    for taint in json_list(json_object(node.get("spec"), "spec").get("taints"), "taints"):
         if not isinstance(taint, Mapping) or taint.get("effect") not in ("NoSchedule", "NoExecute"):
             continue
         if not any(_tolerates(t, taint) for t in tolerations if isinstance(t, Mapping)):
@@ -409,7 +388,7 @@ def build_snapshot(
     snap = Snapshot([], [], [], {}, {}, set())
     for obj in node_objs:
         try:
-            node = node_from_json(_map(obj, "Node"))
+            node = node_from_json(json_object(obj, "Node"))
         except BadObject as exc:
             snap.problems[f"Node {_name_of(obj)}"] = str(exc)
             continue
@@ -420,15 +399,15 @@ def build_snapshot(
     members: dict[str, list[tuple[Pod, Mapping[str, Any]]]] = {}  # group -> its running and pending pods
     for obj in pod_objs:
         try:
-            key = object_key(_map(obj, "Pod"), "Pod")
+            key = object_key(json_object(obj, "Pod"), "Pod")
         except BadObject as exc:
             snap.problems[f"Pod {_name_of(obj)}"] = str(exc)
             continue
         try:
             if is_terminal(obj):
                 continue
-            spec = _map(obj.get("spec"), f"Pod {key}: spec")
-            metadata = _map(obj.get("metadata"), f"Pod {key}: metadata")
+            spec = json_object(obj.get("spec"), f"Pod {key}: spec")
+            metadata = json_object(obj.get("metadata"), f"Pod {key}: metadata")
             labels = _str_map(metadata.get("labels"), f"Pod {key}: metadata.labels")
             mine = spec.get("schedulerName") == scheduler_name
             group = _group_name(key, labels) if mine else single_group(key)
@@ -475,7 +454,7 @@ def _taints_as_selectors(snap: Snapshot, members: dict[str, list[tuple[Pod, Mapp
         for i, (pod, obj) in enumerate(pods):
             if pod.name not in snap.members.get(group, []):
                 continue  # running: already placed
-            spec = _map(obj.get("spec"), "spec")
+            spec = json_object(obj.get("spec"), "spec")
             canonical = json.dumps(spec.get("tolerations") or [], sort_keys=True)
             if canonical not in labels:
                 allowed = [n for n in tainted if tolerates(obj, snap.node_objects[n])]
@@ -514,9 +493,9 @@ def _podgroups(objs: Iterable[Any], snap: Snapshot) -> dict[str, _PodGroupSpec]:
     out = {}
     for obj in objs:
         try:
-            key = object_key(_map(obj, "PodGroup"), "PodGroup")
-            spec = _map(obj.get("spec"), f"PodGroup {key}: spec")
-            metadata = _map(obj.get("metadata"), f"PodGroup {key}: metadata")
+            key = object_key(json_object(obj, "PodGroup"), "PodGroup")
+            spec = json_object(obj.get("spec"), f"PodGroup {key}: spec")
+            metadata = json_object(obj.get("metadata"), f"PodGroup {key}: metadata")
             labels = _str_map(metadata.get("labels"), f"PodGroup {key}: metadata.labels")
             minimum = spec.get("minMember", 1) or 1  # omitempty: an absent 0 means one
             if not isinstance(minimum, int) or isinstance(minimum, bool) or minimum < 1:
@@ -537,9 +516,11 @@ def _group(
 ) -> PodGroup:
     """A group with all its pods, running and pending (the core counts running ones toward min member)."""
     objs = [obj for _, obj in members]
-    labels = [_map(obj.get("metadata"), "metadata").get("labels") or {} for obj in objs]
+    labels = [json_object(obj.get("metadata"), "metadata").get("labels") or {} for obj in objs]
     queues = {lab.get(QUEUE_LABEL, DEFAULT_QUEUE) for lab in labels}
-    created = min(_timestamp(_map(obj.get("metadata"), "metadata").get("creationTimestamp")) for obj in objs)
+    created = min(
+        _timestamp(json_object(obj.get("metadata"), "metadata").get("creationTimestamp")) for obj in objs
+    )
     if name.startswith("podgroup:"):
         spec = podgroups.get(name)
         if spec is not None:
@@ -549,7 +530,7 @@ def _group(
         else:
             declared = set()
             for obj in objs:
-                raw = (_map(obj.get("metadata"), "metadata").get("annotations") or {}).get(
+                raw = (json_object(obj.get("metadata"), "metadata").get("annotations") or {}).get(
                     MIN_MEMBER_ANNOTATION
                 )
                 if raw is not None:
@@ -623,183 +604,6 @@ def _assign_gpus(placements: list[Placement], nodes: Mapping[str, Node]) -> list
             left[i] -= p.pod.gpu_milli
         out.append(Placement(p.pod, p.node, chosen))
     return out
-
-
-# ---------------------------------------------------------------------------------------------- REST client
-
-
-class ApiError(Exception):
-    """The API server refused a request (or could not be reached: status 0)."""
-
-    def __init__(self, method: str, path: str, status: int, message: str) -> None:
-        super().__init__(f"{method} {path}: {status or 'no answer'}: {message}")
-        self.status = status
-        self.message = message
-
-
-class KubeApi:
-    """The few REST calls the scheduler makes, over urllib, with a bearer token or a client certificate."""
-
-    def __init__(
-        self,
-        server: str,
-        *,
-        context: ssl.SSLContext | None = None,
-        token: str | None = None,
-        token_file: str | None = None,
-        timeout: float = 30.0,
-    ) -> None:
-        self.server = server.rstrip("/")
-        self._context = context
-        self._token = token
-        self._token_file = token_file  # re-read: projected service account tokens rotate
-        self.timeout = timeout
-
-    def __repr__(self) -> str:  # never the token
-        return f"KubeApi({self.server!r})"
-
-    def request(
-        self, method: str, path: str, body: Any = None, content_type: str = "application/json"
-    ) -> Any:
-        headers = {"Accept": "application/json", "User-Agent": "pffs-scheduler"}
-        token = self._token
-        if self._token_file:
-            token = Path(self._token_file).read_text().strip()
-        if token:
-            headers["Authorization"] = f"Bearer {token}"
-        data = None
-        if body is not None:
-            data = json.dumps(body).encode()
-            headers["Content-Type"] = content_type
-        req = urllib.request.Request(self.server + path, data=data, headers=headers, method=method)
-        try:
-            with urllib.request.urlopen(req, timeout=self.timeout, context=self._context) as response:
-                payload = response.read()
-        except urllib.error.HTTPError as exc:
-            raise ApiError(method, path, exc.code, _status_message(exc)) from None
-        except (urllib.error.URLError, OSError) as exc:
-            reason = getattr(exc, "reason", exc)
-            raise ApiError(method, path, 0, f"cannot reach {self.server}: {reason}") from None
-        return json.loads(payload) if payload else None
-
-    def list_items(self, path: str, page: int = 500) -> list[Any]:
-        """Every item of a list, page by page (limit/continue)."""
-        items: list[Any] = []
-        token = ""
-        while True:
-            query = {"limit": str(page)} | ({"continue": token} if token else {})
-            answer = self.request("GET", f"{path}?{urllib.parse.urlencode(query)}")
-            if not isinstance(answer, Mapping) or not isinstance(answer.get("items"), list):
-                raise ApiError("GET", path, 200, "the answer is not a list object (items missing)")
-            items += answer["items"]
-            token = (_map(answer.get("metadata"), "list metadata")).get("continue") or ""
-            if not token:
-                return items
-
-
-def _status_message(exc: urllib.error.HTTPError) -> str:
-    try:
-        status = json.loads(exc.read())
-        message = status.get("message") if isinstance(status, Mapping) else None
-    except (ValueError, OSError):
-        message = None
-    hint = {
-        401: " (the credentials are not accepted)",
-        403: " (RBAC: see deploy/scheduler/pffs-scheduler.yaml)",
-    }
-    return f"{message or exc.reason}{hint.get(exc.code, '')}"
-
-
-def in_cluster_api() -> KubeApi:
-    """The API server as a pod sees it: its service account's token and CA."""
-    host, port = os.environ.get("KUBERNETES_SERVICE_HOST"), os.environ.get("KUBERNETES_SERVICE_PORT", "443")
-    account = Path("/var/run/secrets/kubernetes.io/serviceaccount")
-    if not host or not (account / "token").exists():
-        raise BadObject(
-            "not running in a pod (KUBERNETES_SERVICE_HOST or the service account token is missing): "
-            "pass --kubeconfig PATH"
-        )
-    context = ssl.create_default_context(cafile=str(account / "ca.crt"))
-    host = f"[{host}]" if ":" in host else host
-    return KubeApi(f"https://{host}:{port}", context=context, token_file=str(account / "token"))
-
-
-def kubeconfig_api(path: Path, context_name: str | None = None) -> KubeApi:
-    """The API server and credentials of a kubeconfig's current (or named) context.
-
-    Supports token, tokenFile, client certificate and key (files or -data), certificate-authority(-data) and
-    insecure-skip-tls-verify; exec and auth-provider plugins are not supported (use a token instead)."""
-    import yaml
-
-    where = str(path)
-    try:
-        config = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as exc:
-        raise BadObject(f"{where}: cannot read the kubeconfig: {exc}") from None
-    config = _map(config, f"{where}: the kubeconfig")
-    name = context_name or config.get("current-context")
-    if not name:
-        raise BadObject(f"{where}: no current-context")
-
-    def named(section: str, wanted: Any) -> Mapping[str, Any]:
-        for entry in _list(config.get(section), f"{where}: {section}"):
-            if isinstance(entry, Mapping) and entry.get("name") == wanted:
-                return _map(entry.get(section.rstrip("s")), f"{where}: {section} {wanted}")
-        raise BadObject(f"{where}: no {section.rstrip('s')} named {wanted!r}")
-
-    ctx = named("contexts", name)
-    cluster = named("clusters", ctx.get("cluster"))
-    user = named("users", ctx.get("user")) if ctx.get("user") else {}
-    server = cluster.get("server")
-    if not isinstance(server, str) or not server:
-        raise BadObject(f"{where}: cluster {ctx.get('cluster')!r} has no server")
-    if "exec" in user or "auth-provider" in user:
-        raise BadObject(
-            f"{where}: user {ctx.get('user')!r} uses an exec/auth-provider plugin: give it a token"
-        )
-    base = path.parent
-    context = None
-    if server.startswith("https:"):
-        context = ssl.create_default_context()
-        if cluster.get("insecure-skip-tls-verify"):
-            context.check_hostname = False
-            context.verify_mode = ssl.CERT_NONE
-        elif cluster.get("certificate-authority-data"):
-            context.load_verify_locations(
-                cadata=base64.b64decode(cluster["certificate-authority-data"]).decode()
-            )
-        elif cluster.get("certificate-authority"):
-            context.load_verify_locations(cafile=str(base / cluster["certificate-authority"]))
-        cert = _pem(user, "client-certificate", base)
-        key = _pem(user, "client-key", base)
-        if cert and key:
-            _load_client_cert(context, cert, key)
-    token_file = user.get("tokenFile")
-    return KubeApi(
-        server,
-        context=context,
-        token=user.get("token"),
-        token_file=str(base / token_file) if token_file else None,
-    )
-
-
-def _pem(user: Mapping[str, Any], key: str, base: Path) -> bytes | None:
-    if user.get(f"{key}-data"):
-        return base64.b64decode(user[f"{key}-data"])
-    if user.get(key):
-        return (base / user[key]).read_bytes()
-    return None
-
-
-def _load_client_cert(context: ssl.SSLContext, cert: bytes, key: bytes) -> None:
-    # ssl loads a key only from a file: a private directory, removed at once (the context keeps the key).
-    with tempfile.TemporaryDirectory(prefix="pffs-kube-") as folder:
-        cert_path, key_path = Path(folder, "cert.pem"), Path(folder, "key.pem")
-        for target, data in ((cert_path, cert), (key_path, key)):
-            fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-        context.load_cert_chain(str(cert_path), str(key_path))
 
 
 # ---------------------------------------------------------------------------------------------- the loop

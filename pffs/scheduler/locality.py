@@ -41,31 +41,41 @@ def normalize_dataset(url: str) -> str:
     return "s3://" + url[len("s3a://") :] if url.startswith("s3a://") else url
 
 
-def _mapping(value: Any, what: str) -> Mapping[str, Any]:
+def json_object(value: Any, what: str) -> Mapping[str, Any]:
+    """``value`` as a JSON object ({} for null), or BadObject naming ``what``."""
     if value is None:
         return {}
     if not isinstance(value, Mapping):
-        raise BadObject(f"{what} must be an object")
+        raise BadObject(f"{what} must be an object, not {type(value).__name__}")
+    return value
+
+
+def json_list(value: Any, what: str) -> list[Any]:
+    """``value`` as a JSON list ([] for null), or BadObject naming ``what``."""
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise BadObject(f"{what} must be a list, not {type(value).__name__}")
     return value
 
 
 def pod_datasets(pod: Mapping[str, Any]) -> list[str]:
     """The datasets a pod reads (annotation and pffs CSI inline volumes), each once, in order."""
-    metadata = _mapping(pod.get("metadata"), "Pod.metadata")
-    annotations = _mapping(metadata.get("annotations"), "Pod.metadata.annotations")
+    metadata = json_object(pod.get("metadata"), "Pod.metadata")
+    annotations = json_object(metadata.get("annotations"), "Pod.metadata.annotations")
     found: list[str] = []
     listed = annotations.get(DATASETS_ANNOTATION, "")
     if not isinstance(listed, str):
         raise BadObject(f"annotation {DATASETS_ANNOTATION} must be a string")
     found += [u for u in listed.split(",") if u.strip()]
-    spec = _mapping(pod.get("spec"), "Pod.spec")
+    spec = json_object(pod.get("spec"), "Pod.spec")
     volumes = spec.get("volumes") or []
     if not isinstance(volumes, list):
         raise BadObject("Pod.spec.volumes must be a list")
     for volume in volumes:
-        csi = _mapping(_mapping(volume, "a volume").get("csi"), "volume.csi")
+        csi = json_object(json_object(volume, "a volume").get("csi"), "volume.csi")
         if csi.get("driver") == CSI_DRIVER:
-            source = _mapping(csi.get("volumeAttributes"), "volume.csi.volumeAttributes").get("source")
+            source = json_object(csi.get("volumeAttributes"), "volume.csi.volumeAttributes").get("source")
             if isinstance(source, str) and source:
                 found.append(source)
     return list(dict.fromkeys(normalize_dataset(u) for u in found))
@@ -74,8 +84,8 @@ def pod_datasets(pod: Mapping[str, Any]) -> list[str]:
 def node_cache(node: Mapping[str, Any]) -> dict[str, CachedDataset] | None:
     """What a Node's pffs says it holds; None if the node publishes nothing (pffs does not run there).
     A malformed annotation counts as nothing cached (a node's bad report must not fail a pod)."""
-    metadata = _mapping(node.get("metadata"), "Node.metadata")
-    annotations = _mapping(metadata.get("annotations"), "Node.metadata.annotations")
+    metadata = json_object(node.get("metadata"), "Node.metadata")
+    annotations = json_object(metadata.get("annotations"), "Node.metadata.annotations")
     raw = annotations.get(CACHE_ANNOTATION)
     if raw is None:
         return None

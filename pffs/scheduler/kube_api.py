@@ -1,0 +1,196 @@
+"""A small Kubernetes REST client over urllib: the few calls `pffs scheduler` makes, authenticated from a
+kubeconfig (bearer token or client certificate) or from the in-cluster service account. Tokens and keys are
+never logged or put in an error message."""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import os
+import ssl
+import tempfile
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from pffs.scheduler.locality import BadObject, json_list, json_object
+
+log = logging.getLogger(__name__)
+
+
+class ApiError(Exception):
+    """The API server refused a request (or could not be reached: status 0)."""
+
+    def __init__(self, method: str, path: str, status: int, message: str) -> None:
+        super().__init__(f"{method} {path}: {status or 'no answer'}: {message}")
+        self.status = status
+        self.message = message
+
+
+class KubeApi:
+    """The few REST calls the scheduler makes, over urllib, with a bearer token or a client certificate."""
+
+    def __init__(
+        self,
+        server: str,
+        *,
+        context: ssl.SSLContext | None = None,
+        token: str | None = None,
+        token_file: str | None = None,
+        timeout: float = 30.0,
+    ) -> None:
+        self.server = server.rstrip("/")
+        self._context = context
+        self._token = token
+        self._token_file = token_file  # re-read: projected service account tokens rotate
+        self.timeout = timeout
+
+    def __repr__(self) -> str:  # never the token
+        return f"KubeApi({self.server!r})"
+
+    def request(
+        self, method: str, path: str, body: Any = None, content_type: str = "application/json"
+    ) -> Any:
+        headers = {"Accept": "application/json", "User-Agent": "pffs-scheduler"}
+        token = self._token
+        if self._token_file:
+            token = Path(self._token_file).read_text().strip()
+        if token:
+            headers["Authorization"] = f"Bearer {token}"
+        data = None
+        if body is not None:
+            data = json.dumps(body).encode()
+            headers["Content-Type"] = content_type
+        req = urllib.request.Request(self.server + path, data=data, headers=headers, method=method)
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout, context=self._context) as response:
+                payload = response.read()
+        except urllib.error.HTTPError as exc:
+            raise ApiError(method, path, exc.code, _status_message(exc)) from None
+        except (urllib.error.URLError, OSError) as exc:
+            reason = getattr(exc, "reason", exc)
+            raise ApiError(method, path, 0, f"cannot reach {self.server}: {reason}") from None
+        return json.loads(payload) if payload else None
+
+    def list_items(self, path: str, page: int = 500) -> list[Any]:
+        """Every item of a list, page by page (limit/continue)."""
+        items: list[Any] = []
+        token = ""
+        while True:
+            query = {"limit": str(page)} | ({"continue": token} if token else {})
+            answer = self.request("GET", f"{path}?{urllib.parse.urlencode(query)}")
+            if not isinstance(answer, Mapping) or not isinstance(answer.get("items"), list):
+                raise ApiError("GET", path, 200, "the answer is not a list object (items missing)")
+            items += answer["items"]
+            token = (json_object(answer.get("metadata"), "list metadata")).get("continue") or ""
+            if not token:
+                return items
+
+
+def _status_message(exc: urllib.error.HTTPError) -> str:
+    try:
+        status = json.loads(exc.read())
+        message = status.get("message") if isinstance(status, Mapping) else None
+    except (ValueError, OSError):
+        message = None
+    hint = {
+        401: " (the credentials are not accepted)",
+        403: " (RBAC: see deploy/scheduler/pffs-scheduler.yaml)",
+    }
+    return f"{message or exc.reason}{hint.get(exc.code, '')}"
+
+
+def in_cluster_api() -> KubeApi:
+    """The API server as a pod sees it: its service account's token and CA."""
+    host, port = os.environ.get("KUBERNETES_SERVICE_HOST"), os.environ.get("KUBERNETES_SERVICE_PORT", "443")
+    account = Path("/var/run/secrets/kubernetes.io/serviceaccount")
+    if not host or not (account / "token").exists():
+        raise BadObject(
+            "not running in a pod (KUBERNETES_SERVICE_HOST or the service account token is missing): "
+            "pass --kubeconfig PATH"
+        )
+    context = ssl.create_default_context(cafile=str(account / "ca.crt"))
+    host = f"[{host}]" if ":" in host else host
+    return KubeApi(f"https://{host}:{port}", context=context, token_file=str(account / "token"))
+
+
+def kubeconfig_api(path: Path, context_name: str | None = None) -> KubeApi:
+    """The API server and credentials of a kubeconfig's current (or named) context.
+
+    Supports token, tokenFile, client certificate and key (files or -data), certificate-authority(-data) and
+    insecure-skip-tls-verify; exec and auth-provider plugins are not supported (use a token instead)."""
+    import yaml
+
+    where = str(path)
+    try:
+        config = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise BadObject(f"{where}: cannot read the kubeconfig: {exc}") from None
+    config = json_object(config, f"{where}: the kubeconfig")
+    name = context_name or config.get("current-context")
+    if not name:
+        raise BadObject(f"{where}: no current-context")
+
+    def named(section: str, wanted: Any) -> Mapping[str, Any]:
+        for entry in json_list(config.get(section), f"{where}: {section}"):
+            if isinstance(entry, Mapping) and entry.get("name") == wanted:
+                return json_object(entry.get(section.rstrip("s")), f"{where}: {section} {wanted}")
+        raise BadObject(f"{where}: no {section.rstrip('s')} named {wanted!r}")
+
+    ctx = named("contexts", name)
+    cluster = named("clusters", ctx.get("cluster"))
+    user = named("users", ctx.get("user")) if ctx.get("user") else {}
+    server = cluster.get("server")
+    if not isinstance(server, str) or not server:
+        raise BadObject(f"{where}: cluster {ctx.get('cluster')!r} has no server")
+    if "exec" in user or "auth-provider" in user:
+        raise BadObject(
+            f"{where}: user {ctx.get('user')!r} uses an exec/auth-provider plugin: give it a token"
+        )
+    base = path.parent
+    context = None
+    if server.startswith("https:"):
+        context = ssl.create_default_context()
+        if cluster.get("insecure-skip-tls-verify"):
+            context.check_hostname = False
+            context.verify_mode = ssl.CERT_NONE
+        elif cluster.get("certificate-authority-data"):
+            context.load_verify_locations(
+                cadata=base64.b64decode(cluster["certificate-authority-data"]).decode()
+            )
+        elif cluster.get("certificate-authority"):
+            context.load_verify_locations(cafile=str(base / cluster["certificate-authority"]))
+        cert = _pem(user, "client-certificate", base)
+        key = _pem(user, "client-key", base)
+        if cert and key:
+            _load_client_cert(context, cert, key)
+    token_file = user.get("tokenFile")
+    return KubeApi(
+        server,
+        context=context,
+        token=user.get("token"),
+        token_file=str(base / token_file) if token_file else None,
+    )
+
+
+def _pem(user: Mapping[str, Any], key: str, base: Path) -> bytes | None:
+    if user.get(f"{key}-data"):
+        return base64.b64decode(user[f"{key}-data"])
+    if user.get(key):
+        return (base / user[key]).read_bytes()
+    return None
+
+
+def _load_client_cert(context: ssl.SSLContext, cert: bytes, key: bytes) -> None:
+    # ssl loads a key only from a file: a private directory, removed at once (the context keeps the key).
+    with tempfile.TemporaryDirectory(prefix="pffs-kube-") as folder:
+        cert_path, key_path = Path(folder, "cert.pem"), Path(folder, "key.pem")
+        for target, data in ((cert_path, cert), (key_path, key)):
+            fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+        context.load_cert_chain(str(cert_path), str(key_path))
