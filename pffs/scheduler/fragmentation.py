@@ -114,7 +114,10 @@ class TypicalShapes:
         gpu_shape = self.share > 0
         share = np.where(gpu_shape, self.share, 1)
         count = np.maximum(self.count, 1)
-        slots = (gpu_free[:, None, :] // share[None, :, None]).sum(axis=2) // count[None, :]  # (M, shapes)
+        # GPU slots per distinct share (few), then per shape: the division is the costly part.
+        shares, share_of_shape = np.unique(share, return_inverse=True)
+        per_share = (gpu_free[:, None, :] // shares[None, :, None]).sum(axis=2)
+        slots = per_share[:, share_of_shape] // count[None, :]  # (M, shapes)
         with np.errstate(divide="ignore"):
             by_cpu = np.where(self.cpu > 0, cpu_free[:, None] // np.maximum(self.cpu, 1)[None, :], slots)
         fits = np.minimum(slots, by_cpu)

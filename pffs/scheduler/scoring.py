@@ -8,10 +8,11 @@ its weight (``Weights``; 0 switches a plugin off), and takes the best node, ties
 
 - ``binpack``: how full the node is after the placement (GPU share for GPU pods, CPU and memory otherwise):
   fills used nodes first, so a group touches few nodes and whole nodes stay free for big pods.
-- ``fragmentation``: in the spirit of FGD (Weng et al., USENIX ATC '23): the change of the node's expected
-  GPU fragment (the free GPU milli that the session's typical pod shapes could not use) that the placement
-  causes, squashed by a sigmoid; a tight-fitting sharing pod on a partly used GPU scores above one that
-  breaks an empty GPU.
+- ``fragmentation``: in the spirit of FGD (Weng et al., USENIX ATC '23), with the measure of pffs's trace
+  policy (``TypicalShapes.stranded``, which beats FGD's on the openb traces, see bench/scheduler.py): the
+  change of the GPU milli the node would strand if filled with the session's typical pod shapes (GPU slots
+  and CPU both counted), squashed by a sigmoid; a tight-fitting sharing pod on a partly used GPU scores
+  above one that breaks an empty GPU.
 - ``topology``: a multi-GPU pod scores 1 where one NVLink group has its GPUs free, 0.5 where one NUMA
   domain has, 0 where they would span domains (the GPU set itself is chosen by ``choose_gpus``).
 - ``tor``: 1 under a ToR switch the group already uses; elsewhere up to 0.5, by how much of the rest of the
@@ -111,8 +112,8 @@ def fragmentation(state: ClusterState, pod: Pod, ctx: GroupContext, nodes: IntAr
     if shapes is None or len(nodes) == 0:
         return np.full(len(nodes), 0.5)
     bits = np.zeros(len(nodes), dtype=np.int64)  # shapes accept any model (see ClusterState.typical)
-    before = shapes.fragmentation(state.cpu_free[nodes], state.gpu_free[nodes], bits)
-    after = shapes.fragmentation(
+    before = shapes.stranded(state.cpu_free[nodes], state.gpu_free[nodes], bits)
+    after = shapes.stranded(
         state.cpu_free[nodes] - pod.cpu_milli, gpu_rows_after(state, pod, nodes, tightest=True), bits
     )
     # Growth of the fragment by a whole GPU's worth costs about 0.27; a fragment filled gains as much.
