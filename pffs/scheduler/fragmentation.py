@@ -14,6 +14,7 @@ ties.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -47,9 +48,21 @@ class TypicalShapes:
         counts = Counter(
             zip(pods.cpu.tolist(), pods.share.tolist(), pods.count.tolist(), pods.specs, strict=True)
         )
-        # Descending count; equal counts in descending (cpu, share, count, spec), as the reference sorts.
+        return cls.from_counts(
+            counts, lambda spec: cluster.model_mask(spec) if spec else ANY_MODEL, popularity
+        )
+
+    @classmethod
+    def from_counts(
+        cls,
+        counts: Mapping[tuple[int, int, int, str], int],
+        model_mask: Callable[[str], int],
+        popularity: int = DEFAULT_POPULARITY,
+    ) -> TypicalShapes:
+        """The typical shapes of pods counted by (cpu, share, count, gpu_spec); ``model_mask`` turns a spec
+        into model bits. Equal counts rank in descending shape order, as the reference simulator sorts."""
         ranked = sorted(counts.items(), key=lambda kv: (kv[1], kv[0]), reverse=True)
-        total = float(len(pods))
+        total = float(sum(counts.values()))
         expected = float(popularity) * total / 100.0
         kept = 0
         covered = 0.0
@@ -65,7 +78,7 @@ class TypicalShapes:
             np.array([s[0] for s in shapes], np.int64),
             np.array([s[1] for s in shapes], np.int64),
             np.array([s[2] for s in shapes], np.int64),
-            np.array([cluster.model_mask(s[3]) if s[3] else ANY_MODEL for s in shapes], np.int64),
+            np.array([model_mask(s[3]) for s in shapes], np.int64),
             np.array(prob, np.float64),
         )
 

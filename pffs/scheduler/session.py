@@ -290,27 +290,13 @@ class _Session:
     def _typical_shapes(self) -> TypicalShapes | None:
         """The session's pod shapes by frequency (FGD's 'typical pods'), any GPU model accepted."""
         counts = Counter(
-            (p.cpu_milli, p.gpu_milli if uses_gpus(p) else 0, p.gpu_count if uses_gpus(p) else 0)
+            (p.cpu_milli, p.gpu_milli if uses_gpus(p) else 0, p.gpu_count if uses_gpus(p) else 0, "")
             for g in self.groups.values()
             for p in g.pods
         )
-        if not any(share for _, share, _ in counts):
+        if not any(share for _, share, _, _ in counts):
             return None
-        ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
-        total = sum(counts.values())
-        kept, covered = [], 0
-        for shape, c in ranked:  # the most frequent shapes covering 95% of pods
-            if covered >= 0.95 * total:
-                break
-            kept.append((shape, c))
-            covered += c
-        return TypicalShapes(
-            np.array([s[0] for s, _ in kept], dtype=np.int64),
-            np.array([s[1] for s, _ in kept], dtype=np.int64),
-            np.array([s[2] for s, _ in kept], dtype=np.int64),
-            np.full(len(kept), ANY_MODEL, dtype=np.int64),
-            np.array([c / covered for _, c in kept], dtype=np.float64),
-        )
+        return TypicalShapes.from_counts(counts, lambda spec: ANY_MODEL)
 
     # --- scoring and placing -------------------------------------------------------------------------
 
