@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from pffs.scheduler.objects import MILLI, Gpu, Node, Placement, Pod, PodGroup, Queue, Resources
 from pffs.scheduler.session import SessionResult, Weights, run_session
+from pffs.scheduler.synthetic import Job, make_cluster, simulate
 
 # --- builders ----------------------------------------------------------------------------------------
 
@@ -512,3 +513,46 @@ def test_deterministic() -> None:
     groups = [gang(f"g{i}", 1 + i % 3, gpus=1 + i % 4, created=i) for i in range(8)]
     first = run_session(nodes, [Queue("q")], groups, [])
     assert run_session(list(reversed(nodes)), [Queue("q")], list(reversed(groups)), []) == first
+
+
+# --- the synthetic simulations (pffs/scheduler/synthetic.py) ------------------------------------------
+
+
+def test_simulation_gang_aware_never_holds_a_partial_gang_and_gangless_does() -> None:
+    # 4 nodes; x holds two until t=1000; gang a (3 nodes) and gang b (2 nodes) arrive while it runs
+    jobs = [Job("x", 0.0, 1000.0, 2, 8), Job("a", 10.0, 500.0, 3, 8), Job("b", 20.0, 500.0, 2, 8)]
+    gang_ = simulate(make_cluster(4), jobs, "gang", start_timeout=300.0)
+    assert gang_.started == 3 and gang_.partial_gang_gpu_hours == 0 and gang_.restarts == 0
+    # gang-less: a's first two pods take the free nodes and wait idle for its third
+    held = simulate(make_cluster(4), jobs, "gangless", start_timeout=None)
+    assert held.started == 3 and held.restarts == 0
+    assert held.partial_gang_gpu_hours > 16 * 900 / 3600  # 16 GPUs idle from t=10 until x ends, at least
+    assert held.partial_peak_gpus == 16
+    # with a start timeout, a gives up after 300 s, is restarted behind b, and b runs first
+    timed = simulate(make_cluster(4), jobs, "gangless", start_timeout=300.0)
+    assert timed.started == 3 and timed.restarts == 1
+    assert timed.wait_by_kind["gang"] < held.wait_by_kind["gang"]
+
+
+def test_simulation_gangless_places_later_pods_past_one_that_does_not_fit() -> None:
+    # one node, 6 GPUs busy: an 8-GPU pod that waits does not keep a later 1-GPU pod out (no reservation)
+    jobs = [Job("busy", 0.0, 1000.0, 1, 6), Job("big", 5.0, 100.0, 1, 8), Job("small", 6.0, 100.0, 1, 1)]
+    gangless = simulate(make_cluster(1), jobs, "gangless")
+    assert gangless.wait_by_kind["1-gpu"] < 10 and gangless.wait_by_kind["8-gpu"] > 900
+    # run_session keeps room only for a waiting gang of two or more pods: on lone pods the two agree
+    assert simulate(make_cluster(1), jobs, "gang").wait_by_kind == gangless.wait_by_kind
+
+
+def test_simulation_locality_reads_warm_from_the_node_that_holds_the_dataset() -> None:
+    size = 100 * 10**9
+    jobs = [
+        Job("j0", 0.0, 200.0, 1, 8),  # fills node000: j1 reads the dataset on node001
+        Job("j1", 0.0, 100.0, 1, 4, dataset="s3://d", size=size),
+        Job("j2", 400.0, 5000.0, 1, 4),  # on node000 (lowest name): the fuller node is now the cold one
+        Job("j3", 1000.0, 100.0, 1, 4, dataset="s3://d", size=size),
+    ]
+    on = simulate(make_cluster(2), jobs, weights=Weights(), cache_bytes=10**12)
+    off = simulate(make_cluster(2), jobs, weights=Weights(locality=0), cache_bytes=10**12)
+    assert on.backend_bytes == size and on.warm_fraction == 0.5
+    assert off.backend_bytes == 2 * size and off.warm_fraction == 0.0
+    assert on.data_seconds_mean < off.data_seconds_mean
