@@ -5,9 +5,11 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from collections.abc import Sequence
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from pffs.scheduler import scoring
 from pffs.scheduler.objects import MILLI, Gpu, Node, Placement, Pod, PodGroup, Queue, Resources
 from pffs.scheduler.session import SessionResult, Weights, run_session
 from pffs.scheduler.synthetic import Job, make_cluster, simulate
@@ -214,6 +216,25 @@ def test_never_over_allocates_and_respects_hard_constraints(scenario, weights: W
             assert not p.pod.gpu_models or node.gpu_model in p.pod.gpu_models
         else:
             assert p.gpus == ()
+
+
+@PROPERTY
+@given(st.one_of(scenarios(), scenarios(contended=True)))
+def test_cached_fragmentation_scores_decide_as_fresh_ones(scenario) -> None:
+    """The fragmentation score is cached per pod shape and refreshed per changed node (rollbacks included):
+    a session must decide exactly as one that recomputes every score."""
+    nodes, queues, groups, running = scenario
+    cached = run_session(nodes, queues, groups, running)
+    original = scoring.stranded_growth
+
+    def fresh(state, shapes, pod):
+        state.score_cache.clear()
+        return original(state, shapes, pod)
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(scoring, "stranded_growth", fresh)
+        recomputed = run_session(nodes, queues, groups, running)
+    assert cached == recomputed
 
 
 @PROPERTY

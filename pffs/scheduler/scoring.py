@@ -31,6 +31,7 @@ import numpy.typing as npt
 from pffs.scheduler.objects import MILLI, Pod, PodGroup
 
 if TYPE_CHECKING:
+    from pffs.scheduler.fragmentation import TypicalShapes
     from pffs.scheduler.session import ClusterState
 
 IntArray = npt.NDArray[np.int64]
@@ -111,14 +112,32 @@ def fragmentation(state: ClusterState, pod: Pod, ctx: GroupContext, nodes: IntAr
     shapes = state.typical
     if shapes is None or len(nodes) == 0:
         return np.full(len(nodes), 0.5)
-    bits = np.zeros(len(nodes), dtype=np.int64)  # shapes accept any model (see ClusterState.typical)
-    before = shapes.stranded(state.cpu_free[nodes], state.gpu_free[nodes], bits)
-    after = shapes.stranded(
-        state.cpu_free[nodes] - pod.cpu_milli, gpu_rows_after(state, pod, nodes, tightest=True), bits
-    )
+    growth = stranded_growth(state, shapes, pod)[nodes]
     # Growth of the fragment by a whole GPU's worth costs about 0.27; a fragment filled gains as much.
-    delta = np.clip((after - before) / MILLI, -50.0, 50.0)
+    delta = np.clip(growth / MILLI, -50.0, 50.0)
     return np.asarray(1.0 / (1.0 + np.exp(delta)), dtype=np.float64)
+
+
+def stranded_growth(state: ClusterState, shapes: TypicalShapes, pod: Pod) -> FloatArray:
+    """Per node (all of them): how much placing ``pod`` there grows the GPU milli it strands. Cached per pod
+    shape and recomputed only for the nodes that changed since; values of nodes where the pod does not fit
+    are meaningless (only feasible nodes are ever scored, and a node becomes feasible only by changing)."""
+    key = ("stranded", pod.cpu_milli, pod.gpu_count, pod.gpu_milli)
+    cached = state.score_cache.get(key)
+    if cached is None:
+        values, stale = np.zeros(state.n_nodes), np.arange(state.n_nodes)
+    else:
+        values, seen = cached
+        stale = np.flatnonzero(seen != state.version)
+    if cached is None or len(stale):
+        bits = np.zeros(len(stale), dtype=np.int64)  # shapes accept any model (see ClusterState.typical)
+        before = shapes.stranded(state.cpu_free[stale], state.gpu_free[stale], bits)
+        after = shapes.stranded(
+            state.cpu_free[stale] - pod.cpu_milli, gpu_rows_after(state, pod, stale, tightest=True), bits
+        )
+        values[stale] = after - before
+        state.score_cache[key] = (values, state.version.copy())
+    return values
 
 
 def topology(state: ClusterState, pod: Pod, ctx: GroupContext, nodes: IntArray) -> FloatArray:

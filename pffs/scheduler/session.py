@@ -105,6 +105,11 @@ class ClusterState:
         self.queue_of: dict[str, str] = {}  # group -> queue
         self.typical: TypicalShapes | None = None
         self._static: dict[tuple[object, ...], BoolArray] = {}
+        # Per node, the last change (a tick of ``assign``/``unassign``): scores cached per pod shape are
+        # recomputed only for the nodes that changed since (one or two per placement).
+        self.version = np.zeros(n_nodes, dtype=np.int64)
+        self._tick = 0
+        self.score_cache: dict[tuple[object, ...], tuple[FloatArray, IntArray]] = {}
         self.totals = Resources(
             int(self.cpu_cap.sum()), int(self.mem_cap.sum()), int(self.gpu_count.sum()) * MILLI
         )
@@ -146,7 +151,12 @@ class ClusterState:
                 ok &= (self.gpu_free >= MILLI).sum(axis=1) >= pod.gpu_count
         return ok
 
+    def _touch(self, node: int) -> None:
+        self._tick += 1
+        self.version[node] = self._tick
+
     def assign(self, node: int, pod: Pod, slots: tuple[int, ...]) -> None:
+        self._touch(node)
         self.cpu_free[node] -= pod.cpu_milli
         self.mem_free[node] -= pod.memory_mib
         for s in slots:
@@ -155,6 +165,7 @@ class ClusterState:
         self._add_usage(pod, +1)
 
     def unassign(self, node: int, pod: Pod, slots: tuple[int, ...]) -> None:
+        self._touch(node)
         self.cpu_free[node] += pod.cpu_milli
         self.mem_free[node] += pod.memory_mib
         for s in slots:
