@@ -53,7 +53,7 @@ def add_parsers(sub: Any) -> None:
     )
     p.add_argument("--curve", action="store_true", help="with --json: the whole allocation curve per seed")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    p.add_argument("-v", "--verbose", action="count", default=0, help="more logging")
+    p.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS, help="more logging")
     p.set_defaults(run=simulate)
 
 

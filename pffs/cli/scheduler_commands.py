@@ -20,6 +20,8 @@ Node, published by the pffs CSI node plugin). POST /filter and /prioritize take 
 
 
 def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
+    # The servers touch no cache or backend: of the global options they take only -v.
+    common = verbosity_option()
     p = sub.add_parser(
         "extender",
         parents=[common],
@@ -69,6 +71,14 @@ locality. Every --interval seconds it lists Nodes, Pods and PodGroups, places wh
 through the Binding API (GPU indexes in the pod annotation pffs.io/gpus), evicts preempted gangs through the
 Eviction API, and marks waiting pods PodScheduled=False with the reason. Runs until SIGTERM or Ctrl-C.
 """
+
+
+def verbosity_option() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument(
+        "-v", "--verbose", action="count", default=argparse.SUPPRESS, help="more logging (-vv for debug)"
+    )
+    return p
 
 
 def add_scheduler_parser(sub: Any, common: argparse.ArgumentParser) -> None:
