@@ -13,6 +13,7 @@ The traces are research-use data: they are read in place (default ../shared/data
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import platform
 import statistics
@@ -75,6 +76,61 @@ def summarize(results: list[ReplayResult]) -> dict[str, object]:
         "failed_pods": round(statistics.mean(r.failed for r in results), 1),
         "curve": mean_curve(results),
     }
+
+
+def session_speed(folder: Path, pods: int = 2000) -> dict[str, float]:
+    """Pods/s of the gang core (``run_session``) placing the default trace's first pods, each its own group,
+    then 8-pod gangs, on the 1,213-node cluster in one session (NVLink groups of 4, 16 nodes per ToR)."""
+    from pffs.scheduler.objects import Gpu, Node, Pod, PodGroup, Queue
+    from pffs.scheduler.session import run_session
+
+    with (folder / NODE_FILE).open() as f:
+        rows = list(csv.DictReader(f))
+    nodes = [
+        Node(
+            r["sn"],
+            int(r["cpu_milli"]),
+            int(r["memory_mib"]),
+            tuple(Gpu(g, g // 4, g // 4) for g in range(int(r["gpu"]))),
+            r["model"],
+            f"tor{i // 16}",
+        )
+        for i, r in enumerate(rows)
+    ]
+    with (folder / "openb_pod_list_default.csv").open() as f:
+        trace = list(csv.DictReader(f))[:pods]
+    singles = []
+    for i, r in enumerate(trace):
+        count, milli = int(r["num_gpu"]), min(int(r["gpu_milli"]), 1000)
+        models = frozenset(m for m in r["gpu_spec"].split("|") if m)
+        gpu = count > 0 and milli > 0
+        pod = Pod(
+            r["name"],
+            f"g{i}",
+            int(r["cpu_milli"]),
+            int(r["memory_mib"]),
+            count if gpu else 0,
+            milli if gpu else 0,
+            models,
+        )
+        singles.append(PodGroup(f"g{i}", "default", [pod], 1, 0, float(i)))
+    gangs = [
+        PodGroup(
+            f"j{j}",
+            "default",
+            [Pod(f"j{j}-{k}", f"j{j}", 8000, 32000, 1, 1000) for k in range(8)],
+            8,
+            0,
+            float(j),
+        )
+        for j in range(pods // 8)
+    ]
+    out = {}
+    for name, groups in (("single_pods", singles), ("gangs_of_8", gangs)):
+        start = time.perf_counter()
+        result = run_session(nodes, [Queue("default")], groups, [])
+        out[f"{name}_per_second"] = round(len(result.placements) / (time.perf_counter() - start), 1)
+    return out
 
 
 def plot(report: dict[str, dict[str, dict[str, object]]], path: Path) -> None:
@@ -145,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
                 bar.update()
             report.setdefault(trace_name, {})[policy] = summarize(results)
     elapsed = time.perf_counter() - start
+    speed = session_speed(folder)
 
     print(f"\nalloc at 100% / 130% arrived, mean of seeds {args.seeds} (published: Weng et al., ATC '23)")
     print(f"{'trace':<13} {'policy':<12} {'pffs-measured':>15} {'published':>15} {'pods/s':>9}")
@@ -168,6 +225,10 @@ def main(argv: list[str] | None = None) -> int:
     print("\npffs - best-fit, pffs - FGD (points at 100%):")
     for trace_name, v in verdict.items():
         print(f"  {trace_name:<13} {v['pffs_minus_best_fit_at_100']:+.2f} {v['pffs_minus_fgd_at_100']:+.2f}")
+    print(
+        f"gang core (run_session) on {cluster.size} nodes: {speed['single_pods_per_second']:.0f} pods/s "
+        f"(trace pods, groups of one), {speed['gangs_of_8_per_second']:.0f} pods/s (gangs of 8)"
+    )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     payload = {
@@ -179,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         "published": PUBLISHED,
         "results": report,
         "pffs_versus": verdict,
+        "session_speed": speed,
     }
     out.with_suffix(".json").write_text(json.dumps(payload, indent=1))
     plot(report, out.with_suffix(".png"))
