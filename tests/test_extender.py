@@ -237,3 +237,59 @@ def test_the_sample_scheduler_configuration_reaches_the_extender(url: str) -> No
     prefix = url + "/"  # the test server's port in place of the sample's
     assert post(prefix + ext["filterVerb"], {"Pod": pod(IMAGENET), "Nodes": node_list(NODES)})[0] == 200
     assert post(prefix + ext["prioritizeVerb"], {"Pod": pod(IMAGENET), "Nodes": node_list(NODES)})[0] == 200
+
+
+def test_absurd_cache_reports_score_within_0_to_10(url: str) -> None:
+    nodes = [
+        node(
+            "negative",
+            None,
+            raw='{"datasets": {"s3://datasets/imagenet": {"cached_bytes": -5, "total_bytes": 1}}}',
+        ),
+        node("huge", None, raw='{"datasets": {"s3://datasets/imagenet": {"cached_bytes": 1e400}}}'),
+        node("deep", None, raw="[" * 100_000),
+    ]
+    status, scores = post(f"{url}/prioritize", {"Pod": pod(IMAGENET), "Nodes": node_list(nodes)})
+    assert status == 200 and all(0 <= s["Score"] <= 10 for s in scores)
+
+
+def test_a_deeply_nested_body_is_a_400(url: str) -> None:
+    status, result = post(f"{url}/filter", None, raw=b"[" * 200_000)
+    assert status == 400 and "bad filter request" in result["Error"]
+
+
+def _raw_exchange(url: str, request: bytes) -> bytes:
+    """Send ``request`` and read until the server closes (a 10 s socket timeout fails the test)."""
+    import socket
+
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(request)
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    return data
+
+
+def test_a_client_that_stalls_mid_body_is_dropped() -> None:
+    server = make_server("127.0.0.1", 0, timeout=0.5)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        head = b"POST /filter HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n"
+        _raw_exchange(url, head + b'{"Pod":')  # returns once the server gives up on the rest
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_chunked_body_is_refused_and_the_connection_closed(url: str) -> None:
+    head = b"POST /filter HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+    data = _raw_exchange(url, head + b"5\r\nhello\r\n0\r\n\r\n")
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 411")
+    length = int(
+        next(h for h in head.split(b"\r\n") if h.lower().startswith(b"content-length:")).split(b":")[1]
+    )
+    assert len(body) == length  # nothing more: the chunks were not read as another request

@@ -38,7 +38,7 @@ from pffs.scheduler.kube import (
     pod_requests,
     tolerates,
 )
-from pffs.scheduler.kube_api import KubeApi, kubeconfig_api
+from pffs.scheduler.kube_api import ApiError, KubeApi, kubeconfig_api
 from pffs.scheduler.objects import MILLI, UNLIMITED, Gpu, Queue, Resources
 from pffs.scheduler.queues_config import QueuesConfigError, load_queues, parse_queues
 
@@ -201,7 +201,10 @@ def test_quantity_parser_accepts_kubernetes_quantities(text: str, value: Fractio
     assert parse_quantity(text) == value
 
 
-@pytest.mark.parametrize("text", ["", "1K", "abc", "1.2.3", "1e", "Gi", "1 Gi", "1mi", "1Gb", "--1", "1e99"])
+@pytest.mark.parametrize(
+    "text",
+    ["", "1K", "abc", "1.2.3", "1e", "Gi", "Mi", "1 Gi", "1mi", "1Gb", "--1", "1e99", ".", "+", "9" * 5000],
+)
 def test_quantity_parser_rejects_what_kubernetes_rejects(text: str) -> None:
     with pytest.raises(BadObject, match=r"quantit|exponent"):
         parse_quantity(text)
@@ -538,6 +541,7 @@ class FakeApiServer:
         self.nodes: list[dict[str, Any]] = []
         self.pods: list[dict[str, Any]] = []
         self.podgroups: list[dict[str, Any]] | None = []  # None: the CRD is not installed
+        self.pdb_blocked: set[str] = set()  # pod keys a PodDisruptionBudget protects: eviction is 429
         self.page = page
         self.requests: list[tuple[str, str, Any, str]] = []  # method, path, body, content type
         self.lock = threading.Lock()
@@ -644,6 +648,9 @@ class _FakeHandler(BaseHTTPRequestHandler):
             if method == "POST" and sub == "eviction":
                 if body.get("kind") != "Eviction" or body.get("apiVersion") != "policy/v1":
                     return 400, _status(400, "BadRequest", "not a policy/v1 Eviction")
+                if f"{namespace}/{name}" in api.pdb_blocked:
+                    message = "Cannot evict pod as it would violate the pod's disruption budget."
+                    return 429, _status(429, "TooManyRequests", message)
                 api.pods.remove(pod)
                 return 201, _status(201, "", "")
             if method == "PATCH" and sub == "status":
@@ -983,3 +990,223 @@ def test_kubeconfig_errors_are_clear_and_in_cluster_needs_a_pod(
         kubeconfig_api(path, "other")
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     assert main(["scheduler", "--in-cluster", "--once"]) == 2
+
+
+# ------------------------------------------------------------------------------------------- robustness
+
+
+def test_an_eviction_a_disruption_budget_refuses_is_retried_not_waited_on_forever_fake_apiserver(
+    apiserver: FakeApiServer, kubeconfig: Path
+) -> None:
+    apiserver.nodes = [make_node("gpu-1", gpus=2, cpu="16"), make_node("gpu-2", gpus=2, cpu="16")]
+    low = gang("low", 2, gpus=2, priority=1)
+    for i, pod in enumerate(low):
+        pod["spec"]["nodeName"] = f"gpu-{i + 1}"
+        pod["status"]["phase"] = "Running"
+    apiserver.pods = [*low, *gang("high", 2, gpus=2, priority=100)]
+    apiserver.podgroups = [make_podgroup("low", 2), make_podgroup("high", 2)]
+    apiserver.pdb_blocked = {"team-a/low-0"}
+    sched = scheduler_for(kubeconfig)
+    report = sched.cycle()  # 429 is "not now": reported, not raised
+    assert report.evicted == ["team-a/low-1"] and any("429" in e for e in report.errors)
+    assert apiserver.pod("team-a/low-0") is not None
+    apiserver.pdb_blocked = set()  # the budget allows it now: the next cycles evict, then bind
+    bound: list[tuple[str, str]] = []
+    for _ in range(3):
+        bound += sched.cycle().bound
+    assert apiserver.pod("team-a/low-0") is None
+    assert sorted(node for _, node in bound) == ["gpu-1", "gpu-2"]
+
+
+def test_a_node_with_an_absurd_cache_report_does_not_stop_the_snapshot() -> None:
+    absurd = [
+        '{"datasets": {"s3://d": {"cached_bytes": 1e400, "total_bytes": 1}}}',  # int(inf): OverflowError
+        "[" * 100_000,  # RecursionError in the JSON decoder
+        '{"datasets": {"s3://d": {"cached_bytes": -5, "total_bytes": 10}}}',
+    ]
+    nodes = [make_node(f"n{i}", annotations={"pffs.io/cache": raw}) for i, raw in enumerate(absurd)]
+    snap = build_snapshot(nodes, [make_pod("a")], [], [Queue("default")])
+    assert [n.name for n in snap.nodes] == ["n0", "n1", "n2"]
+    assert all(0.0 <= f <= 1.0 for n in snap.nodes for f in n.cached.values())
+
+
+@pytest.mark.parametrize("token", [f"{TOKEN}\n", f"  {TOKEN}\r\n"])
+def test_a_token_with_surrounding_whitespace_is_stripped_fake_apiserver(
+    apiserver: FakeApiServer, token: str
+) -> None:
+    # a kubeconfig's `token: |` block keeps the newline; http.client would refuse the header
+    assert KubeApi(apiserver.url, token=token).list_items("/api/v1/nodes") == []
+
+
+def test_a_token_unfit_for_a_header_is_an_api_error_without_the_token(
+    apiserver: FakeApiServer, tmp_path: Path
+) -> None:
+    api = KubeApi(apiserver.url, token="secret-part-one\nsecret-part-two")
+    with pytest.raises(ApiError) as caught:
+        api.request("GET", "/api/v1/nodes")
+    assert "secret-part" not in str(caught.value)
+    missing = KubeApi(apiserver.url, token_file=str(tmp_path / "no-such-token"))
+    with pytest.raises(ApiError, match="token"):
+        missing.request("GET", "/api/v1/nodes")
+
+
+def _raw_server(answer: bytes | None) -> tuple[str, Any]:
+    """A TCP server that answers every connection with ``answer`` (None: never answers) and a stop()."""
+    import socket
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    conns: list[socket.socket] = []
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            conns.append(conn)
+            conn.recv(65536)
+            if answer is not None:
+                conn.sendall(answer)
+                conn.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+
+    def stop() -> None:
+        listener.close()
+        for conn in conns:
+            conn.close()
+
+    return f"http://127.0.0.1:{listener.getsockname()[1]}", stop
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        b"HELLO\r\n\r\n",  # not HTTP: http.client.BadStatusLine
+        b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n{}",  # cut short: IncompleteRead
+        b"HTTP/1.1 200 OK\r\nContent-Type: text/html\r\nContent-Length: 13\r\n\r\n<html></html>",
+    ],
+)
+def test_a_broken_answer_is_an_api_error(answer: bytes) -> None:
+    url, stop = _raw_server(answer)
+    try:
+        with pytest.raises(ApiError):
+            KubeApi(url, timeout=5).request("GET", "/api/v1/nodes")
+    finally:
+        stop()
+
+
+def test_a_hung_api_server_times_out() -> None:
+    url, stop = _raw_server(None)
+    try:
+        started = time.monotonic()
+        with pytest.raises(ApiError, match="timed out"):
+            KubeApi(url, timeout=0.5).request("GET", "/api/v1/nodes")
+        assert time.monotonic() - started < 5
+    finally:
+        stop()
+
+
+def _https_kubeconfig(path: Path, cluster: dict[str, Any]) -> Path:
+    config = {
+        "current-context": "c",
+        "contexts": [{"name": "c", "context": {"cluster": "k", "user": "u"}}],
+        "clusters": [{"name": "k", "cluster": {"server": "https://10.0.0.1:6443", **cluster}}],
+        "users": [{"name": "u", "user": {"token": "t"}}],
+    }
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def test_the_kubeconfig_ca_is_the_only_one_trusted(tmp_path: Path) -> None:
+    import base64
+    import ssl
+
+    certifi = pytest.importorskip("certifi")
+    bundle = Path(certifi.where()).read_text()
+    first = bundle[bundle.index("-----BEGIN CERTIFICATE-----") :]
+    first = first[: first.index("-----END CERTIFICATE-----") + len("-----END CERTIFICATE-----")] + "\n"
+    data = base64.b64encode(first.encode()).decode()
+    api = kubeconfig_api(_https_kubeconfig(tmp_path / "a", {"certificate-authority-data": data}))
+    assert api._context is not None and len(api._context.get_ca_certs()) == 1
+    assert api._context.verify_mode == ssl.CERT_REQUIRED and api._context.check_hostname
+    (tmp_path / "ca.crt").write_text(first)
+    api = kubeconfig_api(_https_kubeconfig(tmp_path / "b", {"certificate-authority": "ca.crt"}))
+    assert api._context is not None and len(api._context.get_ca_certs()) == 1
+    # without a CA: the system's; insecure-skip-tls-verify only when set true
+    api = kubeconfig_api(_https_kubeconfig(tmp_path / "c", {"insecure-skip-tls-verify": False}))
+    assert api._context is not None and api._context.verify_mode == ssl.CERT_REQUIRED
+    api = kubeconfig_api(_https_kubeconfig(tmp_path / "d", {"insecure-skip-tls-verify": True}))
+    assert api._context is not None and api._context.verify_mode == ssl.CERT_NONE
+
+
+@pytest.mark.parametrize(
+    ("cluster", "message"),
+    [
+        ({"certificate-authority-data": "not base64!"}, "certificate-authority-data"),
+        ({"certificate-authority-data": "bm90IGEgY2VydA=="}, "certificate-authority-data"),
+        ({"certificate-authority": "absent.crt"}, "absent.crt"),
+    ],
+)
+def test_a_bad_kubeconfig_ca_is_one_clear_error(
+    tmp_path: Path, cluster: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(BadObject, match=message):
+        kubeconfig_api(_https_kubeconfig(tmp_path / "config", cluster))
+
+
+def test_a_bad_client_key_is_one_clear_error_without_the_key(tmp_path: Path) -> None:
+    import base64
+
+    path = _https_kubeconfig(tmp_path / "config", {})
+    config = yaml.safe_load(path.read_text())
+    key = base64.b64encode(b"secret-key-bytes").decode()
+    config["users"][0]["user"] = {"client-certificate-data": key, "client-key-data": key}
+    path.write_text(yaml.safe_dump(config))
+    with pytest.raises(BadObject, match="unusable client certificate or key") as caught:
+        kubeconfig_api(path)
+    assert "secret-key-bytes" not in str(caught.value) and key not in str(caught.value)
+
+
+def test_a_running_pod_with_bad_pffs_annotations_still_uses_its_room() -> None:
+    # annotations can be edited on a running pod, and other schedulers' pods may carry anything: what the
+    # pod uses must count, or the node looks free and gets over-allocated
+    running = make_pod("other", cpu="6", gpus=1, node="n1", scheduler="default-scheduler")
+    running["metadata"]["annotations"]["pffs.io/gpu-milli"] = "lots"
+    mine = make_pod("mine", cpu="6", gpus=1, node="n1")
+    mine["metadata"]["annotations"]["pffs.io/gpu-models"] = "H100"
+    mine["spec"]["nodeSelector"] = {"nvidia.com/gpu.product": "A100"}
+    snap = build_snapshot([make_node("n1", cpu="16", gpus=2)], [running, mine], [], [Queue("default")])
+    assert sorted(p.pod.name for p in snap.running) == ["team-a/mine", "team-a/other"]
+    assert sum(p.pod.cpu_milli for p in snap.running) == 12_000
+    assert sorted(len(p.gpus) for p in snap.running) == [1, 1]
+    assert snap.problems == {}  # a running pod is not one this scheduler "cannot schedule"
+
+
+def test_which_pods_use_room_and_gangs_are_namespaced() -> None:
+    deleting = make_pod("deleting", cpu="1", node="n1")
+    deleting["metadata"]["deletionTimestamp"] = "2025-11-24T09:00:00Z"  # still running until it is gone
+    failed = make_pod("failed", cpu="4", node="n1", phase="Failed")
+    foreign = make_pod("foreign", cpu="2", node="n1", scheduler="default-scheduler")
+    pending_foreign = make_pod("pending-foreign", scheduler="default-scheduler")
+    pods = [deleting, failed, foreign, pending_foreign]
+    pods += gang("train", 2) + gang("train", 2, namespace="team-b")
+    snap = build_snapshot([make_node("n1")], pods, [make_podgroup("train", 2)], [Queue("default")])
+    assert sorted(p.pod.name for p in snap.running) == ["team-a/deleting", "team-a/foreign"]
+    gangs = [g for g in snap.groups if g.name.startswith("podgroup:")]
+    assert [g.name for g in gangs] == ["podgroup:team-a/train"]  # team-b has no PodGroup "train"
+    assert [p.name for p in gangs[0].pods] == ["team-a/train-0", "team-a/train-1"]
+    assert "PodGroup team-b/train does not exist" in snap.waiting["podgroup:team-b/train"]
+
+
+def test_pod_level_resources_replace_the_containers_cpu_and_memory() -> None:
+    # PodLevelResources (beta, on by default since 1.34): spec.resources counts for cpu and memory
+    pod = make_pod("p", cpu="100m", memory="64Mi", gpus=1)
+    pod["spec"]["resources"] = {"requests": {"cpu": "4"}, "limits": {"cpu": "8", "memory": "8Gi"}}
+    pod["spec"]["overhead"] = {"cpu": "50m"}
+    requests = pod_requests(pod)
+    assert requests["cpu"] == Fraction(4050, 1000)
+    assert requests["memory"] == 8 * 2**30  # the pod-level request defaults to its limit
+    assert requests["nvidia.com/gpu"] == 1  # not a pod-level resource: from the containers

@@ -131,8 +131,9 @@ def _name(node: Mapping[str, Any]) -> str:
 
 
 class _Handler(BaseHTTPRequestHandler):
-    extender: Extender  # set on the subclass made by serve()
+    extender: Extender  # set on the subclass made by make_server()
     protocol_version = "HTTP/1.1"
+    timeout = 30.0  # socket timeout: a client that stalls mid-request cannot hold a thread
 
     def do_GET(self) -> None:
         if self.path.rstrip("/") == "/healthz":
@@ -150,14 +151,25 @@ class _Handler(BaseHTTPRequestHandler):
             length = int(self.headers.get("Content-Length", ""))
         except ValueError:
             self._send(HTTPStatus.LENGTH_REQUIRED, {"Error": "Content-Length is required"})
+            self.close_connection = True  # the unread body (chunked, say) must not be read as a request
             return
         if not 0 <= length <= MAX_BODY:
             self._send(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, {"Error": f"body over {MAX_BODY} bytes"})
             self.close_connection = True
             return
         try:
-            body = json.loads(self.rfile.read(length))
+            raw = self.rfile.read(length)
+        except OSError:  # timed out mid-body, or the client went away
+            self.close_connection = True
+            return
+        if len(raw) < length:  # the client closed early
+            self.close_connection = True
+            return
+        try:
+            body = json.loads(raw)
             self._send(HTTPStatus.OK, handle(body))
+        except RecursionError:  # nested deeper than the decoder goes
+            self._send(HTTPStatus.BAD_REQUEST, {"Error": f"bad {verb} request: JSON nested too deeply"})
         except (ValueError, BadObject) as exc:  # JSONDecodeError, BadRequest and BadObject are ValueErrors
             log.info("bad %s request: %s", verb, exc)
             self._send(HTTPStatus.BAD_REQUEST, {"Error": f"bad {verb} request: {exc}"})
@@ -177,9 +189,13 @@ class _Handler(BaseHTTPRequestHandler):
         log.debug("%s %s", self.address_string(), format % args)
 
 
-def make_server(address: str, port: int, extender: Extender | None = None) -> ThreadingHTTPServer:
-    """The extender's HTTP server, bound (port 0: a free one; see server.server_address)."""
-    handler = type("ExtenderHandler", (_Handler,), {"extender": extender or Extender()})
+def make_server(
+    address: str, port: int, extender: Extender | None = None, *, timeout: float = 30.0
+) -> ThreadingHTTPServer:
+    """The extender's HTTP server, bound (port 0: a free one; see server.server_address). ``timeout``: how
+    long a connection may stay silent (mid-request or idle between keep-alive requests)."""
+    attributes = {"extender": extender or Extender(), "timeout": timeout}
+    handler = type("ExtenderHandler", (_Handler,), attributes)
     server = ThreadingHTTPServer((address, port), handler)
     server.daemon_threads = True
     return server

@@ -70,6 +70,7 @@ POD_GROUP_LABEL = "scheduling.x-k8s.io/pod-group"
 PODGROUP_API = "/apis/scheduling.x-k8s.io/v1alpha1/podgroups"
 DEFAULT_QUEUE = "default"
 MIB = 2**20
+POD_LEVEL_RESOURCES = ("cpu", "memory")  # component-helpers IsSupportedPodLevelResource
 
 
 # ---------------------------------------------------------------------------------------------- quantities
@@ -94,6 +95,8 @@ def parse_quantity(text: str) -> Fraction:
     if match is None or not text.strip():
         raise BadObject(f"{text!r} is not a Kubernetes quantity (examples: 4, 500m, 16Gi, 1e3)")
     number, binary, decimal, exponent = match.groups()
+    if len(number) > 40:  # Fraction(str) of thousands of digits raises ValueError (int digits limit)
+        raise BadObject(f"{text[:50]!r}...: too many digits for a quantity")
     value = Fraction(number)
     if binary:
         return value * 2 ** _BINARY[binary]
@@ -243,7 +246,8 @@ def _maximum(a: Mapping[str, Fraction], b: Mapping[str, Fraction]) -> dict[str, 
 def pod_requests(pod: Mapping[str, Any]) -> dict[str, Fraction]:
     """What a pod needs of each resource, computed as kube-scheduler does (component-helpers PodRequests):
     the sum over containers, sidecars (init containers with restartPolicy Always) added to it, against the
-    largest plain init container (plus the sidecars started before it), plus spec.overhead."""
+    largest plain init container (plus the sidecars started before it); pod-level spec.resources in place
+    of that for cpu and memory where set; plus spec.overhead."""
     spec = json_object(pod.get("spec"), "spec")
     total: dict[str, Fraction] = {}
     for i, container in enumerate(json_list(spec.get("containers"), "spec.containers")):
@@ -260,6 +264,9 @@ def pod_requests(pod: Mapping[str, Any]) -> dict[str, Fraction]:
             requests = _add(requests, sidecars)
         init_peak = _maximum(init_peak, requests)
     total = _maximum(total, init_peak)
+    if spec.get("resources"):  # PodLevelResources (beta, on by default since 1.34): cpu and memory only
+        pod_level = _requests(spec, "spec")
+        total.update({k: v for k, v in pod_level.items() if k in POD_LEVEL_RESOURCES})
     overhead = {
         k: _amount(v, f"spec.overhead {k}") for k, v in json_object(spec.get("overhead"), "overhead").items()
     }
@@ -414,7 +421,15 @@ def build_snapshot(
             node_name = spec.get("nodeName")
             if not mine and not node_name:
                 continue  # another scheduler's business
-            pod = pod_from_json(obj, group)
+            try:
+                pod = pod_from_json(obj, group)
+            except BadObject as exc:
+                if not node_name:
+                    raise
+                # Already on a node: what it uses counts even if its pffs hints are wrong (annotations can
+                # be edited on a running pod; other schedulers' pods may carry anything).
+                log.debug("pod %s on %s: %s; counting its requests only", key, node_name, exc)
+                pod = pod_from_json(_requests_only(obj), group)
             if node_name:
                 # Every pod on a node uses room there; only ours are in groups (so only ours are evicted).
                 snap.running.append(_placement(pod, str(node_name), metadata))
@@ -438,6 +453,13 @@ def build_snapshot(
                 snap.waiting[group] = str(exc)
     snap.groups.sort(key=lambda g: (-g.priority, g.created, g.name))
     return snap
+
+
+def _requests_only(obj: Mapping[str, Any]) -> dict[str, Any]:
+    """A pod's JSON without what only placement reads (annotations, node selector): its requests stay."""
+    metadata = {**json_object(obj.get("metadata"), "metadata"), "annotations": {}}
+    spec = {**json_object(obj.get("spec"), "spec"), "nodeSelector": {}}
+    return {**obj, "metadata": metadata, "spec": spec}
 
 
 def _taints_as_selectors(snap: Snapshot, members: dict[str, list[tuple[Pod, Mapping[str, Any]]]]) -> None:
@@ -726,18 +748,21 @@ class Scheduler:
             log.warning("not evicting pods of other schedulers: %s", ", ".join(sorted(refused)))
             evicted_nodes |= {e.node for e in result.evictions}
             evictions = []
+        for eviction in evictions:
+            self._evict(eviction, report)
+        # Only pods actually evicted are waited for: one refused (429, a PodDisruptionBudget) stays running,
+        # so waiting for it would hold the group forever; the group is offered again next cycle instead.
+        evicted = set(report.evicted)
         for group, placements in by_group.items():
             why = self._hold_back(placements, snap, evicted_nodes)
             if why:
                 report.pending[group] = why
-                if evictions:
-                    self._evicting.setdefault(group, set()).update(e.pod.name for e in evictions)
+                if evicted:
+                    self._evicting.setdefault(group, set()).update(evicted)
                 continue
             for placement in placements:
                 self._bind(placement, report)
             self._reported.pop(group, None)  # if it waits again later, say so again
-        for eviction in evictions:
-            self._evict(eviction, report)
 
     def _hold_back(self, placements: list[Placement], snap: Snapshot, evicted_nodes: set[str]) -> str:
         """Why a group's placements must wait (empty: bind them). All or nothing, as the gang."""

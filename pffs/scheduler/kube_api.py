@@ -5,6 +5,8 @@ never logged or put in an error message."""
 from __future__ import annotations
 
 import base64
+import binascii
+import http.client
 import json
 import logging
 import os
@@ -58,8 +60,14 @@ class KubeApi:
         headers = {"Accept": "application/json", "User-Agent": "pffs-scheduler"}
         token = self._token
         if self._token_file:
-            token = Path(self._token_file).read_text().strip()
+            try:
+                token = Path(self._token_file).read_text()
+            except OSError as exc:
+                raise ApiError(method, path, 0, f"cannot read the token file: {exc.strerror}") from None
+        token = str(token).strip() if token else ""  # a YAML block scalar (`token: |`) ends in a newline
         if token:
+            if not token.isprintable():  # http.client would refuse it with the token in its message
+                raise ApiError(method, path, 0, "the token holds characters not allowed in an HTTP header")
             headers["Authorization"] = f"Bearer {token}"
         data = None
         if body is not None:
@@ -74,7 +82,13 @@ class KubeApi:
         except (urllib.error.URLError, OSError) as exc:
             reason = getattr(exc, "reason", exc)
             raise ApiError(method, path, 0, f"cannot reach {self.server}: {reason}") from None
-        return json.loads(payload) if payload else None
+        except http.client.HTTPException as exc:  # not HTTP, or cut short (BadStatusLine, IncompleteRead)
+            message = f"{self.server} gave a broken answer: {type(exc).__name__}"
+            raise ApiError(method, path, 0, message) from None
+        try:
+            return json.loads(payload) if payload else None
+        except ValueError:  # a proxy's HTML page, say
+            raise ApiError(method, path, 200, "the answer is not JSON") from None
 
     def list_items(self, path: str, page: int = 500) -> list[Any]:
         """Every item of a list, page by page (limit/continue)."""
@@ -154,20 +168,17 @@ def kubeconfig_api(path: Path, context_name: str | None = None) -> KubeApi:
     base = path.parent
     context = None
     if server.startswith("https:"):
-        context = ssl.create_default_context()
-        if cluster.get("insecure-skip-tls-verify"):
-            context.check_hostname = False
-            context.verify_mode = ssl.CERT_NONE
-        elif cluster.get("certificate-authority-data"):
-            context.load_verify_locations(
-                cadata=base64.b64decode(cluster["certificate-authority-data"]).decode()
-            )
-        elif cluster.get("certificate-authority"):
-            context.load_verify_locations(cafile=str(base / cluster["certificate-authority"]))
-        cert = _pem(user, "client-certificate", base)
-        key = _pem(user, "client-key", base)
-        if cert and key:
-            _load_client_cert(context, cert, key)
+        context = _server_context(cluster, base, where)
+        try:
+            cert = _pem(user, "client-certificate", base)
+            key = _pem(user, "client-key", base)
+            if cert and key:
+                _load_client_cert(context, cert, key)
+        except (binascii.Error, ValueError, TypeError, OSError) as exc:  # not the key: ssl names no data
+            raise BadObject(
+                f"{where}: user {ctx.get('user')!r}: unusable client certificate or key: "
+                f"{type(exc).__name__}: {exc}"
+            ) from None
     token_file = user.get("tokenFile")
     return KubeApi(
         server,
@@ -177,9 +188,30 @@ def kubeconfig_api(path: Path, context_name: str | None = None) -> KubeApi:
     )
 
 
+def _server_context(cluster: Mapping[str, Any], base: Path, where: str) -> ssl.SSLContext:
+    """TLS to the API server: the kubeconfig's CA alone when it names one (as client-go does: the system's
+    CAs are not trusted then), the system's otherwise; no verification only if insecure-skip-tls-verify."""
+    if cluster.get("insecure-skip-tls-verify") is True:
+        context = ssl.create_default_context()
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+        return context
+    try:
+        if cluster.get("certificate-authority-data"):
+            what = "certificate-authority-data"
+            cadata = base64.b64decode(cluster["certificate-authority-data"], validate=True).decode()
+            return ssl.create_default_context(cadata=cadata)
+        if cluster.get("certificate-authority"):
+            what = f"certificate-authority {cluster['certificate-authority']}"
+            return ssl.create_default_context(cafile=str(base / cluster["certificate-authority"]))
+    except (binascii.Error, ValueError, TypeError, OSError) as exc:  # ssl.SSLError is an OSError
+        raise BadObject(f"{where}: {what} is not a usable PEM CA certificate: {exc}") from None
+    return ssl.create_default_context()
+
+
 def _pem(user: Mapping[str, Any], key: str, base: Path) -> bytes | None:
     if user.get(f"{key}-data"):
-        return base64.b64decode(user[f"{key}-data"])
+        return base64.b64decode(user[f"{key}-data"], validate=True)
     if user.get(key):
         return (base / user[key]).read_bytes()
     return None

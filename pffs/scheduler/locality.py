@@ -94,12 +94,13 @@ def node_cache(node: Mapping[str, Any]) -> dict[str, CachedDataset] | None:
         datasets = report.get("datasets", {}) if isinstance(report, dict) else {}
         return {
             normalize_dataset(url): CachedDataset(
-                int(entry.get("cached_bytes", 0)), int(entry.get("total_bytes", 0))
+                max(0, int(entry.get("cached_bytes", 0))), max(0, int(entry.get("total_bytes", 0)))
             )
             for url, entry in datasets.items()
             if isinstance(entry, dict)
         }
-    except (ValueError, TypeError, AttributeError):
+    # int(1e400) is an OverflowError, a deeply nested annotation a RecursionError in the decoder
+    except (ValueError, TypeError, AttributeError, OverflowError, RecursionError):
         return {}
 
 
