@@ -8,7 +8,8 @@ lowest node name (nodes are sorted by name), ties between groups to the lowest g
    fits its queue's ``capability`` on top of the queue's usage. A non-overcommit queue rejects it (the group
    waits; the reason names the resource); an overcommit queue admits it and marks it overcommitted. Running
    groups of an overcommit queue that is over its capability are marked too: those whose admission (in
-   ``created`` order) took the queue past it. A group whose queue is unknown waits.
+   ``created`` order) took the queue past it, and so is a new group whose placement in this session takes
+   its overcommit queue past it. A group whose queue is unknown, or with a pod of a negative request, waits.
 2. Allocate. Groups are taken in weight-fair order: the queue with the lowest dominant share divided by its
    weight first (shares recomputed after every group), then higher priority, then earlier ``created``. A
    group needs ``min_member`` minus its running pods placed now, all of them or none: its pods (largest first)
@@ -19,7 +20,8 @@ lowest node name (nodes are sorted by name), ties between groups to the lowest g
    gang. Every placement after it in the order — later groups, and then the pods beyond ``min_member`` of
    every group — from a group of no higher priority may only use room the reserved gang cannot use: on each
    node, the number of the reserved gang's pods that fit must not drop. Small pods run in leftover room, and
-   the reserved gang's room grows as pods finish instead of being eaten by a stream of small ones.
+   the reserved gang's room grows as pods finish instead of being eaten by a stream of small ones. A gang
+   that its queue's quota keeps out (its minimum would pass the capability) waits for quota: no reservation.
 4. Preempt and reclaim. For each group still waiting for room, in order: victims are running groups of its
    queue with lower priority (preempt), and running groups of reclaimable queues above their guaranteed, when
    the waiting group's queue stays within its own guaranteed (reclaim); a victim queue is never taken below
@@ -27,7 +29,8 @@ lowest node name (nodes are sorted by name), ties between groups to the lowest g
    removed whole, one by one, until the waiting group fits (simulated); then each chosen victim whose return
    would still let the group fit is given back; at the end, every victim that fits back beside all of the
    session's placements is given back too, so each evicted group is needed. If the group would not fit
-   even with every candidate gone, nothing is evicted.
+   even with every candidate gone, nothing is evicted. Room freed for one group is not used by another in
+   the same session, and an evicted group places nothing this session (it runs again later, whole).
 
 Feasibility: CPU and memory fit; ``node_selector`` labels match; ``gpu_models`` (if any) holds the node's
 model; a sharing pod (one GPU, ``gpu_milli`` < 1000) needs one GPU with that much free; a k-GPU pod needs k
@@ -408,6 +411,12 @@ class _Session:
                 if pending or need:
                     self.pending[group.name] = f"queue {group.queue!r} is unknown"
                 continue
+            negative = [
+                p.name for p in group.pods if min(p.cpu_milli, p.memory_mib, p.gpu_count, p.gpu_milli) < 0
+            ]
+            if negative:
+                self.pending[group.name] = f"pod {negative[0]!r} has a negative request"
+                continue
             if not pending:
                 if need:
                     self.pending[group.name] = (
@@ -492,6 +501,7 @@ class _Session:
                 done, reached = self.place_gang(plan, g)
             if done:
                 self.commit(done)
+                self._mark_if_over(plan)
                 continue
             failed_shapes.add(shape)
             plan.reason = self._no_fit_reason(plan, reached)
@@ -514,10 +524,25 @@ class _Session:
                 self.commit(done)
         return waiting
 
+    def _mark_if_over(self, plan: _Plan) -> None:
+        """A new group of an overcommit queue whose placement took the queue past its capability."""
+        queue = plan.queue
+        used = self.state.usage.get(queue.name, Resources())
+        if (
+            queue.overcommit
+            and plan.group.name not in self.running_by_group
+            and _over(used, queue.capability)
+        ):
+            self.overcommitted.add(plan.group.name)
+
     def _no_fit_reason(self, plan: _Plan, reached: int) -> str:
         need = plan.need
-        if not any(self.quota_ok(plan.queue, p) for p in plan.pending):
-            return f"quota: queue {plan.queue.name!r} is at its capability"
+        queue = plan.queue
+        if not queue.overcommit:  # the smallest ``need`` pending pods must fit the quota, else none can run
+            total = self.state.usage.get(queue.name, Resources()) + _sum(plan.pending[-need:])
+            over = _over(total, queue.capability)
+            if over:
+                return f"quota: queue {queue.name!r} is at its capability in {', '.join(over)}"
         return f"no fit: {reached} of the {need} pods needed for min_member {plan.group.min_member} fit now"
 
     def _ever_fits(self, plan: _Plan) -> bool:
@@ -531,6 +556,9 @@ class _Session:
             np.int64
         )
         self.state.group_nodes = {}
+        # the empty cluster's scores must not outlive it: the per-node versions do not see this swap
+        saved_scores = self.state.score_cache
+        self.state.score_cache = {}
         try:
             queue = replace(plan.queue, overcommit=True)  # room only: quota is not the question here
             done, _ = self.place_gang(replace(plan, queue=queue))
@@ -538,6 +566,7 @@ class _Session:
         finally:
             self.state.cpu_free, self.state.mem_free, self.state.gpu_free, self.state.group_nodes = saved
             self.state.usage = saved_usage
+            self.state.score_cache = saved_scores
 
     def _make_guard(self, reserved: _Plan) -> Callable[[Pod], BoolArray | None]:
         shapes = list(
@@ -567,11 +596,16 @@ class _Session:
 
     def preempt_and_reclaim(self, waiting: list[_Plan]) -> None:
         for plan in waiting:
-            if plan.group.name in self.placed_groups:
-                continue
+            if plan.group.name in self.placed_groups or plan.group.name in self.evicted:
+                continue  # an evicted group runs again in a later session, whole
             victims = self._victim_candidates(plan)
             if victims:
-                self._evict_for(plan, victims)
+                held = list(self.evicted)  # room freed for earlier groups is theirs: out of play for this one
+                self._hold(held, +1)
+                try:
+                    self._evict_for(plan, victims)
+                finally:
+                    self._hold(held, -1)
             if plan.group.name not in self.placed_groups:
                 self.pending[plan.group.name] = plan.reason
         # a later eviction can free more than its beneficiary took: give back every victim that now fits
@@ -616,6 +650,18 @@ class _Session:
             for r in RESOURCE_NAMES
             if getattr(freed, r) > 0
         )
+
+    def _hold(self, names: list[str], sign: int) -> None:
+        """Take the node room of evicted groups back (+1) or give it up again (-1), quotas untouched."""
+        for name in names:
+            for p, node, slots in self.running_by_group[name]:
+                if node < 0:
+                    continue
+                if sign > 0:
+                    self.state.assign(node, p.pod, slots)
+                else:
+                    self.state.unassign(node, p.pod, slots)
+                self.state._add_usage(p.pod, -sign)
 
     def _remove(self, name: str) -> None:
         for p, node, slots in self.running_by_group[name]:
@@ -677,6 +723,7 @@ class _Session:
         done, _ = self.place_gang(plan)
         assert done, "the group fitted in simulation"
         self.commit(done)
+        self._mark_if_over(plan)
         # a victim whose pods still fit beside the placement as made (and within its queue's quota) stays
         for name in list(reversed(chosen)):
             if self._restore_fits(name):
