@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 import urllib.parse
+import urllib.request
 from collections.abc import Iterator
 from fractions import Fraction
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -1210,3 +1211,67 @@ def test_pod_level_resources_replace_the_containers_cpu_and_memory() -> None:
     assert requests["cpu"] == Fraction(4050, 1000)
     assert requests["memory"] == 8 * 2**30  # the pod-level request defaults to its limit
     assert requests["nvidia.com/gpu"] == 1  # not a pod-level resource: from the containers
+
+
+def test_extender_lists_node_reports_for_names_only_requests_fake_apiserver(
+    apiserver: FakeApiServer, kubeconfig: Path
+) -> None:
+    """With nodeCacheCapable: true kube-scheduler sends node names only; `pffs extender --kubeconfig` reads
+    the Nodes' cache reports from the API server (a fake one: no kube-apiserver runs here yet) and follows
+    their changes."""
+    from pffs.testing.s3_server import free_ports
+
+    def cache(cached: int) -> dict[str, str]:
+        report = {"datasets": {"s3://data/imagenet": {"cached_bytes": cached, "total_bytes": 100}}}
+        return {"pffs.io/cache": json.dumps(report)}
+
+    apiserver.nodes = [make_node("warm", annotations=cache(100)), make_node("cold", annotations=cache(0))]
+    apiserver.nodes.append(make_node("plain"))  # no pffs on it
+    port = free_ports(1)[0]
+    argv = [sys.executable, "-m", "pffs.cli.main", "extender", "--port", str(port)]
+    proc = subprocess.Popen(
+        [*argv, "--kubeconfig", str(kubeconfig), "--node-refresh", "0.2"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    body = {
+        "Pod": {"metadata": {"name": "p", "annotations": {"pffs.io/datasets": "s3://data/imagenet"}}},
+        "NodeNames": ["warm", "cold", "plain"],
+    }
+
+    def ask(verb: str) -> Any:
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{port}/{verb}", json.dumps(body).encode(), {"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(request, timeout=5) as response:
+            return json.loads(response.read())
+
+    def scores() -> dict[str, int]:
+        return {s["Host"]: s["Score"] for s in ask("prioritize")}
+
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if scores() == {"warm": 10, "cold": 0, "plain": 0}:
+                    break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline and proc.poll() is None, "no scores from the listed Nodes"
+            time.sleep(0.1)
+        filtered = ask("filter")
+        assert filtered["NodeNames"] == ["warm", "cold"]
+        assert set(filtered["FailedAndUnresolvableNodes"]) == {"plain"}
+        with apiserver.lock:
+            apiserver.nodes[1] = make_node("cold", annotations=cache(50))  # the cold node warms up
+        while scores()["cold"] != 5:
+            assert time.monotonic() < deadline, "the extender did not follow the Node's new report"
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=15) == 0
+        assert TOKEN not in proc.stdout.read() + proc.stderr.read()  # type: ignore[union-attr]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

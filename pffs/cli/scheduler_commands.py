@@ -15,7 +15,9 @@ deploy/scheduler/extender-config.yaml for the KubeSchedulerConfiguration). A pod
 (annotation pffs.io/datasets, or pffs CSI inline volumes) is kept off nodes where pffs does not run, and
 nodes score 0-10 by the fraction of its datasets their pffs cache holds (annotation pffs.io/cache on the
 Node, published by the pffs CSI node plugin). POST /filter and /prioritize take ExtenderArgs JSON; GET
-/healthz answers 200. Runs until SIGTERM or Ctrl-C.
+/healthz answers 200. With nodeCacheCapable: true kube-scheduler sends node names only: give
+--kubeconfig or --in-cluster so the extender lists the Nodes' reports itself (every --node-refresh
+seconds). Runs until SIGTERM or Ctrl-C.
 """
 
 
@@ -36,26 +38,55 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
         default="127.0.0.1",
         help="address to listen on (default 127.0.0.1, beside kube-scheduler; 0.0.0.0 behind a Service)",
     )
+    api = p.add_mutually_exclusive_group()
+    api.add_argument(
+        "--kubeconfig",
+        type=Path,
+        help="read Nodes' cache reports from this cluster (needed with nodeCacheCapable: true)",
+    )
+    api.add_argument("--in-cluster", action="store_true", help="the same, with the pod's service account")
+    p.add_argument("--context", help="kubeconfig context (default: current-context)")
+    p.add_argument(
+        "--node-refresh", type=float, default=10.0, help="seconds between Node listings (default 10)"
+    )
     p.set_defaults(run=extender)
     add_scheduler_parser(sub, common)
 
 
 def extender(args: argparse.Namespace) -> int:
     from pffs.cli.errors import UsageError
-    from pffs.scheduler.extender import make_server
+    from pffs.scheduler.extender import Extender, NodeWatcher, make_server
 
     if not 0 < args.port < 65536:
         raise UsageError(f"--port must be 1-65535, not {args.port}")
-    server = make_server(args.address, args.port)
+    if not args.node_refresh > 0:
+        raise UsageError(f"--node-refresh must be a positive number of seconds, not {args.node_refresh}")
+    service = Extender()
+    watcher = None
+    if args.kubeconfig or args.in_cluster:
+        from pffs.scheduler.kube import BadObject
+        from pffs.scheduler.kube_api import in_cluster_api, kubeconfig_api
+
+        try:
+            api = in_cluster_api() if args.in_cluster else kubeconfig_api(args.kubeconfig, args.context)
+        except BadObject as exc:
+            raise UsageError(str(exc)) from None
+        watcher = NodeWatcher(service.reports, lambda: api.list_items("/api/v1/nodes"), args.node_refresh)
+        watcher.start()
+    server = make_server(args.address, args.port, service)
     signal.signal(signal.SIGTERM, _stop)
     host, port = str(server.server_address[0]), int(server.server_address[1])
+    source = "Nodes listed from the API server" if watcher else "the Nodes in each request"
     print(f"pffs extender: serving on http://{host}:{port}/ (filter, prioritize, healthz)", flush=True)
+    print(f"pffs extender: cache reports from {source}", flush=True)
     try:
         server.serve_forever()
     except KeyboardInterrupt:
         pass
     finally:
         server.server_close()
+        if watcher:
+            watcher.stopped.set()
     return 0
 
 

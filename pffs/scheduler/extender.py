@@ -7,8 +7,9 @@ the Go field names (`Pod`, `Nodes`, `NodeNames`, `FailedNodes`, `FailedAndUnreso
 datasets, nodes whose pffs publishes no cache report fail (unresolvably: preemption cannot help); other
 pods pass everywhere. Prioritize: 0-10 (MaxExtenderPriority), ten times the fraction of the pod's datasets
 the node holds. With `nodeCacheCapable: true` the scheduler sends names only: their reports come from the
-nodes seen in earlier requests, and an unknown node passes the filter with score 0; the answer then carries
-`NodeNames` (never null), else `Nodes`.
+API server when the extender is given one (`NodeWatcher`, `pffs extender --kubeconfig/--in-cluster`), else
+from the nodes seen in earlier requests; an unknown node passes the filter with score 0; the answer then
+carries `NodeNames` (never null), else `Nodes`.
 
 A malformed request gets HTTP 400 with the reason; nothing a request holds can stop the server.
 """
@@ -18,7 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -51,6 +52,43 @@ class NodeReports:
         """(known, report)."""
         with self._lock:
             return name in self._reports, self._reports.get(name)
+
+    def replace_all(self, nodes: list[Any]) -> int:
+        """Every node's report from a fresh Node list (nodes gone from the cluster are forgotten); a Node
+        without a name is skipped. Returns how many nodes were read."""
+        reports: dict[str, dict[str, CachedDataset] | None] = {}
+        for node in nodes:
+            metadata = node.get("metadata") if isinstance(node, Mapping) else None
+            name = metadata.get("name") if isinstance(metadata, Mapping) else None
+            if isinstance(name, str) and name:
+                reports[name] = node_cache(node)
+        with self._lock:
+            self._reports = reports
+        return len(reports)
+
+
+class NodeWatcher(threading.Thread):
+    """Keeps ``NodeReports`` current from the API server (``list_nodes``: e.g. ``KubeApi.list_items`` of
+    /api/v1/nodes), for kube-scheduler set up with ``nodeCacheCapable: true``, which sends node names only."""
+
+    def __init__(self, reports: NodeReports, list_nodes: Callable[[], list[Any]], interval: float) -> None:
+        super().__init__(name="pffs-node-watcher", daemon=True)
+        self.reports, self.list_nodes, self.interval = reports, list_nodes, interval
+        self.stopped = threading.Event()
+        self.refreshed = threading.Event()  # set after each successful refresh
+
+    def refresh(self) -> None:
+        count = self.reports.replace_all(self.list_nodes())
+        log.debug("cache reports of %d nodes refreshed", count)
+        self.refreshed.set()
+
+    def run(self) -> None:
+        while not self.stopped.is_set():
+            try:
+                self.refresh()
+            except Exception as exc:  # the API server down or refusing: keep the last reports, say why
+                log.warning("cannot list Nodes for their cache reports (%s); keeping the last ones", exc)
+            self.stopped.wait(self.interval)
 
 
 class Extender:
