@@ -42,6 +42,7 @@ from pffs.scheduler.kube import (
 from pffs.scheduler.kube_api import ApiError, KubeApi, kubeconfig_api
 from pffs.scheduler.objects import MILLI, UNLIMITED, Gpu, Queue, Resources
 from pffs.scheduler.queues_config import QueuesConfigError, load_queues, parse_queues
+from pffs.testing.s3_server import free_ports
 
 GIB_MIB = 1024
 TOKEN = "test-token-0123456789"
@@ -865,8 +866,9 @@ def test_cli_once_and_sigterm_fake_apiserver(
     assert main(["scheduler", "--kubeconfig", str(kubeconfig), "--queues", str(bad), "--once"]) == 2
     assert f"{bad}: queues[0].capability.cpu" in capsys.readouterr().err
 
-    # the long-running loop: cycles until SIGTERM, then exits 0
+    # the long-running loop: cycles until SIGTERM, then exits 0, counting what it did in /metrics
     apiserver.pods.append(make_pod("b"))
+    metrics_port = free_ports(1)[0]
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -877,6 +879,8 @@ def test_cli_once_and_sigterm_fake_apiserver(
             str(kubeconfig),
             "--interval",
             "0.1",
+            "--metrics-port",
+            str(metrics_port),
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -887,6 +891,21 @@ def test_cli_once_and_sigterm_fake_apiserver(
             assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
             time.sleep(0.05)
         assert apiserver.posts("/pods/b/binding"), "the scheduler did not bind within 30 s"
+        # Prometheus: the bind is counted once the cycle ends
+        metrics: dict[str, float] = {}
+        while metrics.get("pffs_scheduler_pods_bound_total") != 1.0:
+            assert time.monotonic() < deadline, f"no bind in /metrics: {metrics}"
+            with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as response:
+                text = response.read().decode()
+            metrics = {
+                line.split()[0]: float(line.split()[1])
+                for line in text.splitlines()
+                if line.startswith("pffs_scheduler_")
+            }
+        assert (
+            metrics["pffs_scheduler_cycles_total"] >= 1 and metrics["pffs_scheduler_failed_cycles_total"] == 0
+        )
+        assert metrics["pffs_scheduler_last_success_timestamp_seconds"] > time.time() - 60
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=10) == 0
         _, err = proc.communicate(timeout=5)
@@ -1219,7 +1238,6 @@ def test_extender_lists_node_reports_for_names_only_requests_fake_apiserver(
     """With nodeCacheCapable: true kube-scheduler sends node names only; `pffs extender --kubeconfig` reads
     the Nodes' cache reports from the API server (a fake one: no kube-apiserver runs here yet) and follows
     their changes."""
-    from pffs.testing.s3_server import free_ports
 
     def cache(cached: int) -> dict[str, str]:
         report = {"datasets": {"s3://data/imagenet": {"cached_bytes": cached, "total_bytes": 100}}}

@@ -133,6 +133,8 @@ def add_scheduler_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--interval", type=float, default=2.0, help="seconds between cycles (default 2)")
     p.add_argument("--scheduler-name", default="pffs-scheduler", help="schedulerName to serve")
     p.add_argument("--once", action="store_true", help="run one cycle, print what it did, exit")
+    p.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port")
+    p.add_argument("--metrics-address", default="127.0.0.1", help="address for /metrics (default 127.0.0.1)")
     p.set_defaults(run=scheduler)
 
 
@@ -176,6 +178,12 @@ def scheduler(args: argparse.Namespace) -> int:
             )
         )
         return 1 if report.errors else 0
+    if args.metrics_port is not None:
+        from pffs.scheduler.prometheus import start_metrics_server
+
+        if not 0 < args.metrics_port < 65536:
+            raise UsageError(f"--metrics-port must be 1-65535, not {args.metrics_port}")
+        start_metrics_server(sched.stats, args.metrics_address, args.metrics_port)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())
     print(f"pffs scheduler: serving schedulerName {args.scheduler_name} on {api.server}", flush=True)

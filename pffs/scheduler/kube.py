@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING, Any
 from pffs.scheduler.kube_api import ApiError, KubeApi
 from pffs.scheduler.locality import BadObject, json_list, json_object, node_cache, pod_datasets
 from pffs.scheduler.objects import MILLI, Gpu, Node, Placement, Pod, PodGroup, Queue
+from pffs.scheduler.prometheus import SchedulerStats
 
 if TYPE_CHECKING:
     from pffs.scheduler.session import SessionResult, Weights
@@ -652,8 +653,10 @@ class Scheduler:
         weights: Weights | None = None,
         scheduler_name: str = SCHEDULER_NAME,
         run_session: RunSession | None = None,
+        stats: SchedulerStats | None = None,
     ) -> None:
         self.api = api
+        self.stats = stats or SchedulerStats()
         self.queues = list(queues)
         self.weights = weights
         self.scheduler_name = scheduler_name
@@ -695,6 +698,15 @@ class Scheduler:
             started = time.monotonic()
             try:
                 report = self.cycle()
+                seconds = time.monotonic() - started
+                self.stats.cycle_done(
+                    len(report.bound),
+                    len(report.evicted),
+                    len(report.errors),
+                    len(report.pending),
+                    seconds,
+                    time.time(),
+                )
                 log.log(
                     logging.INFO if report.bound or report.evicted else logging.DEBUG,
                     "cycle: %d bound, %d evicted, %d groups pending (%.2fs)",
@@ -704,8 +716,10 @@ class Scheduler:
                     time.monotonic() - started,
                 )
             except ApiError as exc:
+                self.stats.cycle_failed(time.monotonic() - started)
                 log.error("cycle failed: %s; retrying in %.0fs", exc, interval)
             except Exception:  # a bug must not stop scheduling: log it once per cycle and go on
+                self.stats.cycle_failed(time.monotonic() - started)
                 log.exception("cycle failed")
             stop.wait(max(0.0, interval - (time.monotonic() - started)))
 
