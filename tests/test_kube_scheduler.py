@@ -1293,3 +1293,21 @@ def test_extender_lists_node_reports_for_names_only_requests_fake_apiserver(
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_in_cluster_without_a_readable_ca_is_one_clear_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pffs.scheduler import kube_api
+
+    monkeypatch.setattr(kube_api, "SERVICE_ACCOUNT_DIR", tmp_path)
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.96.0.1")
+    with pytest.raises(BadObject, match="not running in a pod"):
+        kube_api.in_cluster_api()
+    (tmp_path / "token").write_text(TOKEN)
+    with pytest.raises(BadObject, match=r"ca\.crt: cannot load the cluster's CA") as caught:
+        kube_api.in_cluster_api()
+    assert TOKEN not in str(caught.value)
+    (tmp_path / "ca.crt").write_text("not a certificate")
+    with pytest.raises(BadObject, match=r"ca\.crt: cannot load the cluster's CA"):
+        kube_api.in_cluster_api()

@@ -118,16 +118,24 @@ def _status_message(exc: urllib.error.HTTPError) -> str:
     return f"{message or exc.reason}{hint.get(exc.code, '')}"
 
 
+SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")  # what the kubelet mounts
+
+
 def in_cluster_api() -> KubeApi:
     """The API server as a pod sees it: its service account's token and CA."""
     host, port = os.environ.get("KUBERNETES_SERVICE_HOST"), os.environ.get("KUBERNETES_SERVICE_PORT", "443")
-    account = Path("/var/run/secrets/kubernetes.io/serviceaccount")
+    account = SERVICE_ACCOUNT_DIR
     if not host or not (account / "token").exists():
         raise BadObject(
             "not running in a pod (KUBERNETES_SERVICE_HOST or the service account token is missing): "
             "pass --kubeconfig PATH"
         )
-    context = ssl.create_default_context(cafile=str(account / "ca.crt"))
+    try:
+        context = ssl.create_default_context(cafile=str(account / "ca.crt"))
+    except (OSError, ssl.SSLError) as exc:
+        raise BadObject(
+            f"{account / 'ca.crt'}: cannot load the cluster's CA ({exc}); is the token mounted?"
+        ) from None
     host = f"[{host}]" if ":" in host else host
     return KubeApi(f"https://{host}:{port}", context=context, token_file=str(account / "token"))
 
