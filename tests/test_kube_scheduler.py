@@ -824,14 +824,20 @@ def test_malformed_pod_gets_an_event_and_the_others_still_bind_fake_apiserver(
     assert "'one' is not a Kubernetes quantity" in event["message"]
 
 
-def test_preemption_evicts_the_whole_lower_priority_gang_then_binds_fake_apiserver(
-    apiserver: FakeApiServer, kubeconfig: Path
-) -> None:
+def two_full_nodes_running_a_low_priority_gang(apiserver: FakeApiServer) -> list[dict[str, Any]]:
+    """Two 2-GPU nodes, each running one pod of the priority-1 gang 'low' (its pods returned)."""
     apiserver.nodes = [make_node("gpu-1", gpus=2, cpu="16"), make_node("gpu-2", gpus=2, cpu="16")]
     low = gang("low", 2, gpus=2, priority=1)
     for i, pod in enumerate(low):
         pod["spec"]["nodeName"] = f"gpu-{i + 1}"
         pod["status"]["phase"] = "Running"
+    return low
+
+
+def test_preemption_evicts_the_whole_lower_priority_gang_then_binds_fake_apiserver(
+    apiserver: FakeApiServer, kubeconfig: Path
+) -> None:
+    low = two_full_nodes_running_a_low_priority_gang(apiserver)
     other = make_pod("system", node="gpu-1", scheduler="default-scheduler", cpu="100m")
     apiserver.pods = [*low, other, *gang("high", 2, gpus=2, priority=100)]
     apiserver.podgroups = [make_podgroup("low", 2), make_podgroup("high", 2)]
@@ -1018,11 +1024,7 @@ def test_kubeconfig_errors_are_clear_and_in_cluster_needs_a_pod(
 def test_an_eviction_a_disruption_budget_refuses_is_retried_not_waited_on_forever_fake_apiserver(
     apiserver: FakeApiServer, kubeconfig: Path
 ) -> None:
-    apiserver.nodes = [make_node("gpu-1", gpus=2, cpu="16"), make_node("gpu-2", gpus=2, cpu="16")]
-    low = gang("low", 2, gpus=2, priority=1)
-    for i, pod in enumerate(low):
-        pod["spec"]["nodeName"] = f"gpu-{i + 1}"
-        pod["status"]["phase"] = "Running"
+    low = two_full_nodes_running_a_low_priority_gang(apiserver)
     apiserver.pods = [*low, *gang("high", 2, gpus=2, priority=100)]
     apiserver.podgroups = [make_podgroup("low", 2), make_podgroup("high", 2)]
     apiserver.pdb_blocked = {"team-a/low-0"}
