@@ -13,19 +13,20 @@ The traces are research-use data: they are read in place (default ../shared/data
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import platform
 import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from tqdm import tqdm
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from pffs.scheduler.model import Cluster, PodList  # noqa: E402
 from pffs.scheduler.policies import POLICIES  # noqa: E402
 from pffs.scheduler.simulate import ReplayResult, replay  # noqa: E402
 from pffs.scheduler.traces import load_nodes, load_pods  # noqa: E402
@@ -65,7 +66,7 @@ def mean_curve(results: list[ReplayResult]) -> dict[int, float]:
     return {level: round(statistics.mean(c[level] for c in curves), 3) for level in levels}
 
 
-def summarize(results: list[ReplayResult]) -> dict[str, object]:
+def summarize(results: list[ReplayResult]) -> dict[str, Any]:
     at100 = [r.alloc_at(100) for r in results]
     at130 = [r.alloc_at(130) for r in results]
     return {
@@ -78,39 +79,33 @@ def summarize(results: list[ReplayResult]) -> dict[str, object]:
     }
 
 
-def session_speed(folder: Path, pods: int = 2000) -> dict[str, float]:
-    """Pods/s of the gang core (``run_session``) placing the default trace's first pods, each its own group,
-    then 8-pod gangs, on the 1,213-node cluster in one session (NVLink groups of 4, 16 nodes per ToR)."""
+def session_speed(cluster: Cluster, trace: PodList, pods: int = 2000) -> dict[str, float]:
+    """Pods/s of the gang core (``run_session``) placing the trace's first pods, each its own group, then
+    8-pod gangs, on the trace cluster in one session (NVLink groups of 4, 16 nodes per ToR)."""
     from pffs.scheduler.objects import Gpu, Node, Pod, PodGroup, Queue
     from pffs.scheduler.session import run_session
 
-    with (folder / NODE_FILE).open() as f:
-        rows = list(csv.DictReader(f))
     nodes = [
         Node(
-            r["sn"],
-            int(r["cpu_milli"]),
-            int(r["memory_mib"]),
-            tuple(Gpu(g, g // 4, g // 4) for g in range(int(r["gpu"]))),
-            r["model"],
+            name,
+            int(cluster.cpu_capacity[i]),
+            int(cluster.mem_capacity[i]),
+            tuple(Gpu(g, g // 4, g // 4) for g in range(int(cluster.gpu_count[i]))),
+            cluster.model_names[cluster.gpu_model[i]] if cluster.gpu_model[i] >= 0 else "",
             f"tor{i // 16}",
         )
-        for i, r in enumerate(rows)
+        for i, name in enumerate(cluster.names)
     ]
-    with (folder / "openb_pod_list_default.csv").open() as f:
-        trace = list(csv.DictReader(f))[:pods]
     singles = []
-    for i, r in enumerate(trace):
-        count, milli = int(r["num_gpu"]), min(int(r["gpu_milli"]), 1000)
-        models = frozenset(m for m in r["gpu_spec"].split("|") if m)
-        gpu = count > 0 and milli > 0
+    for i in range(min(pods, len(trace))):  # load_pods already clipped shares and made 0-milli pods CPU-only
+        models = frozenset(m for m in trace.specs[i].split("|") if m)
         pod = Pod(
-            r["name"],
+            trace.names[i],
             f"g{i}",
-            int(r["cpu_milli"]),
-            int(r["memory_mib"]),
-            count if gpu else 0,
-            milli if gpu else 0,
+            int(trace.cpu[i]),
+            int(trace.mem[i]),
+            int(trace.count[i]),
+            int(trace.share[i]),
             models,
         )
         singles.append(PodGroup(f"g{i}", "default", [pod], 1, 0, float(i)))
@@ -133,7 +128,7 @@ def session_speed(folder: Path, pods: int = 2000) -> dict[str, float]:
     return out
 
 
-def plot(report: dict[str, dict[str, dict[str, object]]], path: Path) -> None:
+def plot(report: dict[str, dict[str, dict[str, Any]]], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -143,7 +138,6 @@ def plot(report: dict[str, dict[str, dict[str, object]]], path: Path) -> None:
     for ax, trace in zip(axes[:2], MAIN_TRACES, strict=True):
         for policy, summary in report[trace].items():
             curve = summary["curve"]
-            assert isinstance(curve, dict)
             levels = [int(k) for k in curve]
             ax.plot(levels, list(curve.values()), label=f"{policy} ({summary['alloc_at_100']:.2f}% at 100%)")
         ax.plot([0, 130], [0, 130], color="grey", linewidth=0.5, linestyle=":")
@@ -158,10 +152,10 @@ def plot(report: dict[str, dict[str, dict[str, object]]], path: Path) -> None:
     traces = list(report)
     width = 0.8 / len(EVERY_TRACE_POLICIES)
     for i, policy in enumerate(EVERY_TRACE_POLICIES):
-        values = [float(str(report[t][policy]["alloc_at_100"])) for t in traces]
+        values = [report[t][policy]["alloc_at_100"] for t in traces]
         ax.bar([x + i * width for x in range(len(traces))], values, width, label=policy)
     ax.set_xticks([x + width for x in range(len(traces))], traces, rotation=30, fontsize=8)
-    ax.set_ylim(min(float(str(report[t]["best-fit"]["alloc_at_100"])) for t in traces) - 3, 100)
+    ax.set_ylim(min(report[t]["best-fit"]["alloc_at_100"] for t in traces) - 3, 100)
     ax.set_title("alloc at 100% arrived, every trace")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3, axis="y")
@@ -189,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     plan = [(t, p) for t in MAIN_TRACES for p in POLICIES]
     if not args.quick:
         plan += [(t, p) for t in traces if t not in MAIN_TRACES for p in EVERY_TRACE_POLICIES]
-    report: dict[str, dict[str, dict[str, object]]] = {}
+    report: dict[str, dict[str, dict[str, Any]]] = {}
     start = time.perf_counter()
     with tqdm(total=len(plan) * len(seeds), unit="replay", file=sys.stderr) as bar:
         for trace_name, policy in plan:
@@ -201,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
                 bar.update()
             report.setdefault(trace_name, {})[policy] = summarize(results)
     elapsed = time.perf_counter() - start
-    speed = session_speed(folder)
+    speed = session_speed(cluster, load_pods(folder / "openb_pod_list_default.csv"))
 
     print(f"\nalloc at 100% / 130% arrived, mean of seeds {args.seeds} (published: Weng et al., ATC '23)")
     print(f"{'trace':<13} {'policy':<12} {'pffs-measured':>15} {'published':>15} {'pods/s':>9}")
@@ -215,12 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     for trace_name, policies in report.items():
         pffs, best_fit = policies["pffs"], policies["best-fit"]
         verdict[trace_name] = {
-            "pffs_minus_best_fit_at_100": round(
-                float(str(pffs["alloc_at_100"])) - float(str(best_fit["alloc_at_100"])), 3
-            ),
-            "pffs_minus_fgd_at_100": round(
-                float(str(pffs["alloc_at_100"])) - float(str(policies["fgd"]["alloc_at_100"])), 3
-            ),
+            "pffs_minus_best_fit_at_100": round(pffs["alloc_at_100"] - best_fit["alloc_at_100"], 3),
+            "pffs_minus_fgd_at_100": round(pffs["alloc_at_100"] - policies["fgd"]["alloc_at_100"], 3),
         }
     print("\npffs - best-fit, pffs - FGD (points at 100%):")
     for trace_name, v in verdict.items():

@@ -62,6 +62,15 @@ def global_options() -> argparse.ArgumentParser:
     return p
 
 
+def verbosity_option() -> argparse.ArgumentParser:
+    """-v alone, for commands that take none of the cache and backend options (scheduler tools)."""
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument(
+        "-v", "--verbose", action="count", default=argparse.SUPPRESS, help="more logging (-vv for debug)"
+    )
+    return p
+
+
 def build_parser() -> argparse.ArgumentParser:
     common = global_options()
     parser = argparse.ArgumentParser(
@@ -76,8 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     read_commands.add_parsers(sub, common)
     mount_commands.add_parsers(sub, common)
     cache_commands.add_parsers(sub, common)
-    scheduler_commands.add_parsers(sub, common)
-    sched_commands.add_parsers(sub)
+    verbosity = verbosity_option()
+    scheduler_commands.add_parsers(sub, verbosity)
+    sched_commands.add_parsers(sub, verbosity)
     return parser
 
 

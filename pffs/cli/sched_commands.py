@@ -20,7 +20,7 @@ policies: random, best-fit, dot-product, gpu-packing, fgd (the paper's), pffs (p
 expected-fragmentation idea, measured as the GPUs a node strands when filled with the typical pods)."""
 
 
-def add_parsers(sub: Any) -> None:
+def add_parsers(sub: Any, verbosity: argparse.ArgumentParser) -> None:
     from pffs.scheduler.policies import POLICIES
 
     # No cache or backend options here: a replay touches neither.
@@ -32,6 +32,7 @@ def add_parsers(sub: Any) -> None:
     sched_sub = sched.add_subparsers(dest="sched_command", metavar="COMMAND", required=True)
     p = sched_sub.add_parser(
         "simulate",
+        parents=[verbosity],
         help="replay a GPU trace with a placement policy",
         description=SIMULATE_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -53,7 +54,6 @@ def add_parsers(sub: Any) -> None:
     )
     p.add_argument("--curve", action="store_true", help="with --json: the whole allocation curve per seed")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    p.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS, help="more logging")
     p.set_defaults(run=simulate)
 
 
@@ -101,7 +101,6 @@ def simulate(args: argparse.Namespace) -> int:
     print(header + f" {'pods/s':>8}")
     for s in summaries:
         alloc = s["alloc_at"]
-        assert isinstance(alloc, dict)
         print(
             f"{s['seed']:>6} {s['pods']:>7} {s['placed']:>7} {s['failed']:>7} "
             + " ".join(f"{_pct(alloc[level]):>11}" for level in levels)

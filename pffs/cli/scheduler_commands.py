@@ -1,4 +1,5 @@
-"""`pffs extender`: the kube-scheduler extender that serves pffs's cache-locality score and filter."""
+"""`pffs extender` (the kube-scheduler extender that serves pffs's cache-locality score and filter) and
+`pffs scheduler` (the secondary scheduler)."""
 
 from __future__ import annotations
 
@@ -21,12 +22,12 @@ seconds). Runs until SIGTERM or Ctrl-C.
 """
 
 
-def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
-    # The servers touch no cache or backend: of the global options they take only -v.
-    common = verbosity_option()
+def add_parsers(sub: Any, verbosity: argparse.ArgumentParser) -> None:
+    """``verbosity``: the parent parser with -v (the servers touch no cache or backend, so they take none of
+    the other global options)."""
     p = sub.add_parser(
         "extender",
-        parents=[common],
+        parents=[verbosity],
         help="serve the cache-locality score to kube-scheduler (scheduler extender)",
         description=EXTENDER_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -50,7 +51,7 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
         "--node-refresh", type=float, default=10.0, help="seconds between Node listings (default 10)"
     )
     p.set_defaults(run=extender)
-    add_scheduler_parser(sub, common)
+    add_scheduler_parser(sub, verbosity)
 
 
 def extender(args: argparse.Namespace) -> int:
@@ -104,18 +105,10 @@ Eviction API, and marks waiting pods PodScheduled=False with the reason. Runs un
 """
 
 
-def verbosity_option() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(add_help=False)
-    p.add_argument(
-        "-v", "--verbose", action="count", default=argparse.SUPPRESS, help="more logging (-vv for debug)"
-    )
-    return p
-
-
-def add_scheduler_parser(sub: Any, common: argparse.ArgumentParser) -> None:
+def add_scheduler_parser(sub: Any, verbosity: argparse.ArgumentParser) -> None:
     p = sub.add_parser(
         "scheduler",
-        parents=[common],
+        parents=[verbosity],
         help="run the pffs gang/GPU scheduler for pods with schedulerName: pffs-scheduler",
         description=SCHEDULER_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,

@@ -13,6 +13,9 @@ from dataclasses import dataclass, field
 MILLI = 1000
 
 
+RESOURCE_NAMES = ("cpu_milli", "memory_mib", "gpu_milli")
+
+
 @dataclass(frozen=True)
 class Resources:
     """An amount of the resources that quotas count."""
@@ -35,12 +38,12 @@ class Resources:
             self.gpu_milli - other.gpu_milli,
         )
 
+    def exceeding(self, limit: Resources) -> list[str]:
+        """The names of the resources (fields) in which this amount passes ``limit``."""
+        return [name for name in RESOURCE_NAMES if getattr(self, name) > getattr(limit, name)]
+
     def fits_within(self, limit: Resources) -> bool:
-        return (
-            self.cpu_milli <= limit.cpu_milli
-            and self.memory_mib <= limit.memory_mib
-            and self.gpu_milli <= limit.gpu_milli
-        )
+        return not self.exceeding(limit)
 
 
 UNLIMITED = Resources(2**62, 2**62, 2**62)

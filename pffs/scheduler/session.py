@@ -48,10 +48,8 @@ import numpy as np
 from pffs.scheduler import scoring
 from pffs.scheduler.fragmentation import TypicalShapes
 from pffs.scheduler.model import ANY_MODEL
-from pffs.scheduler.objects import MILLI, Node, Placement, Pod, PodGroup, Queue, Resources
+from pffs.scheduler.objects import MILLI, RESOURCE_NAMES, Node, Placement, Pod, PodGroup, Queue, Resources
 from pffs.scheduler.scoring import BoolArray, FloatArray, GroupContext, IntArray, is_sharing, uses_gpus
-
-RESOURCE_NAMES = ("cpu_milli", "memory_mib", "gpu_milli")
 
 
 @dataclass
@@ -257,10 +255,6 @@ def _fmt(r: Resources) -> str:
     return f"cpu {r.cpu_milli}m, memory {r.memory_mib}Mi, gpu {r.gpu_milli}m"
 
 
-def _over(amount: Resources, limit: Resources) -> list[str]:
-    return [r for r in RESOURCE_NAMES if getattr(amount, r) > getattr(limit, r)]
-
-
 def _sum(pods: Iterable[Pod]) -> Resources:
     total = Resources()
     for p in pods:
@@ -432,7 +426,7 @@ class _Session:
             if not running_pods:  # a new group: admission against the queue's capability
                 minimum = _sum(pending[:need])
                 total = self.state.usage.get(queue.name, Resources()) + minimum
-                over = _over(total, queue.capability)
+                over = total.exceeding(queue.capability)
                 if over and not queue.overcommit:
                     self.pending[group.name] = (
                         f"quota: queue {queue.name!r} would exceed its capability in {', '.join(over)} "
@@ -451,14 +445,14 @@ class _Session:
         for queue in self.queues.values():
             if not queue.overcommit:
                 continue
-            if not _over(self.state.usage.get(queue.name, Resources()), queue.capability):
+            if not self.state.usage.get(queue.name, Resources()).exceeding(queue.capability):
                 continue
             names = [g for g in self.running_by_group if self.state.queue_of.get(g) == queue.name]
             names.sort(key=lambda g: (self.groups[g].created, g))  # admission order
             acc = Resources()
             for g in names:
                 acc = acc + _sum(p.pod for p, _, _ in self.running_by_group[g])
-                if _over(acc, queue.capability):
+                if acc.exceeding(queue.capability):
                     self.overcommitted.add(g)
 
     def fair_order(self, plans: list[_Plan]) -> Iterable[_Plan]:
@@ -531,7 +525,7 @@ class _Session:
         if (
             queue.overcommit
             and plan.group.name not in self.running_by_group
-            and _over(used, queue.capability)
+            and used.exceeding(queue.capability)
         ):
             self.overcommitted.add(plan.group.name)
 
@@ -540,7 +534,7 @@ class _Session:
         queue = plan.queue
         if not queue.overcommit:  # the smallest ``need`` pending pods must fit the quota, else none can run
             total = self.state.usage.get(queue.name, Resources()) + _sum(plan.pending[-need:])
-            over = _over(total, queue.capability)
+            over = total.exceeding(queue.capability)
             if over:
                 return f"quota: queue {queue.name!r} is at its capability in {', '.join(over)}"
         return f"no fit: {reached} of the {need} pods needed for min_member {plan.group.min_member} fit now"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -43,7 +44,7 @@ class ReplayResult:
     def curve(self) -> dict[int, float]:
         return metrics.alloc_curve(self.arrived, self.used, self.capacity_milli)
 
-    def summary(self) -> dict[str, object]:
+    def summary(self) -> dict[str, Any]:
         """The figures a person or a script wants, JSON-ready."""
         return {
             "policy": self.policy,
