@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+
 from pffs.cache import BlockCache
 from pffs.cache.block_format import CorruptBlockError, header_size, pack_block, unpack_block
 from pffs.cache.memory_tier import MemoryTier

@@ -46,7 +46,7 @@ def pod(datasets: str | None = None, inline_source: str | None = None) -> dict[s
     volumes: list[dict[str, Any]] = [{"name": "scratch", "emptyDir": {}}]
     if inline_source is not None:
         attributes = {"source": inline_source, "cacheSize": "100G"}
-        volumes.append({"name": "data", "csi": {"driver": "pffs.csi.io", "volumeAttributes": attributes}})
+        volumes.append({"name": "data", "csi": {"driver": "csi.pffs.io", "volumeAttributes": attributes}})
     return {
         "apiVersion": "v1",
         "kind": "Pod",

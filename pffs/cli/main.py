@@ -7,7 +7,14 @@ import sys
 from collections.abc import Sequence
 
 from pffs import __version__
-from pffs.cli import cache_commands, mount_commands, read_commands, sched_commands, scheduler_commands
+from pffs.cli import (
+    cache_commands,
+    csi_commands,
+    mount_commands,
+    read_commands,
+    sched_commands,
+    scheduler_commands,
+)
 from pffs.cli.errors import EXIT_USAGE, run_reporting_errors
 from pffs.cli.logs import configure_logging
 
@@ -31,6 +38,7 @@ examples:
   pffs stats --json
   pffs cache gc --verify
   pffs extender --port 8888
+  pffs csi --endpoint unix:///csi/csi.sock --node-id $NODE_ID --mode node
   pffs sched simulate --nodes NODES.csv --pods PODS.csv --policy pffs --seed 42
 
 exit codes: 0 success, 1 the command failed (missing object, access denied, backend down),
@@ -88,6 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     verbosity = verbosity_option()
     scheduler_commands.add_parsers(sub, verbosity)
     sched_commands.add_parsers(sub, verbosity)
+    csi_commands.add_parsers(sub, verbosity)
     return parser
 
 

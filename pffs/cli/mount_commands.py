@@ -11,9 +11,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
-import select
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -130,7 +128,7 @@ def mount_options(args: argparse.Namespace) -> MountOptions:
 
 
 def prepare_mountpoint(path: Path) -> None:
-    from pffs.fuse.mount import force_unmount, mountpoint_state
+    from pffs.fuse.mountpoint import force_unmount, mountpoint_state
 
     state = mountpoint_state(path)
     if state == "missing":
@@ -159,40 +157,22 @@ def mount(args: argparse.Namespace) -> int:
 
 
 def start_in_background(options: MountOptions) -> int:
-    assert options.log_file is not None
-    options.log_file.parent.mkdir(parents=True, exist_ok=True)
-    with open(options.log_file, "ab") as log:
-        child = subprocess.Popen(
-            [sys.executable, "-m", "pffs.cli.mount_daemon"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=log,
-            start_new_session=True,  # not killed with this terminal's session
-            close_fds=True,
-        )
-    assert child.stdin is not None and child.stdout is not None
-    child.stdin.write(options.model_dump_json().encode())
-    child.stdin.close()
-    readable, _, _ = select.select([child.stdout], [], [], READY_TIMEOUT_S)
-    answer = child.stdout.readline().decode(errors="replace").strip() if readable else ""
-    child.stdout.close()
-    if answer == "ok":
-        print(
-            f"pffs: mounted {options.source} at {options.mountpoint} "
-            f"(pid {child.pid}, log {options.log_file})",
-            file=sys.stderr,
-        )
-        return EXIT_OK
-    if not answer:
-        child.kill()
-        answer = f"error: the mount process did not answer (see {options.log_file})"
-    code = child.wait()
-    print(f"pffs: {answer}", file=sys.stderr)
-    return code or EXIT_FAILURE
+    from pffs.fuse.launch import MountStartError, start_mount_process
+
+    try:
+        child = start_mount_process(options, READY_TIMEOUT_S)
+    except MountStartError as exc:
+        print(f"pffs: error: {exc}", file=sys.stderr)
+        return exc.exit_code or EXIT_FAILURE
+    print(
+        f"pffs: mounted {options.source} at {options.mountpoint} (pid {child.pid}, log {options.log_file})",
+        file=sys.stderr,
+    )
+    return EXIT_OK
 
 
 def umount(args: argparse.Namespace) -> int:
-    from pffs.fuse.mount import force_unmount, mountpoint_state
+    from pffs.fuse.mountpoint import force_unmount, mountpoint_state
 
     path = Path(os.path.abspath(os.path.expanduser(args.mountpoint)))
     state = mountpoint_state(path)

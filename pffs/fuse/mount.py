@@ -13,7 +13,6 @@ import faulthandler
 import logging
 import os
 import signal
-import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
@@ -126,42 +125,3 @@ async def _tune_kernel_after_init(mountpoint: Path) -> None:
         await trio.to_thread.run_sync(bdi.write_text, str(READ_AHEAD_KB))
     except OSError as exc:
         log.info("could not raise the read-ahead of %s (%s): sequential reads are slower", mountpoint, exc)
-
-
-# Mountpoint state, for `pffs mount` and `pffs umount`.
-
-
-def mountpoint_state(path: Path) -> str:
-    """'missing', 'not-a-directory', 'stale' (a dead FUSE mount: ENOTCONN), 'mounted' or 'free'."""
-    try:
-        os.stat(path)
-    except FileNotFoundError:
-        return "missing"
-    except OSError as exc:
-        if exc.errno in (107, 5):  # ENOTCONN, or EIO from some dead mounts
-            return "stale"
-        raise
-    if not os.path.isdir(path):
-        return "not-a-directory"
-    if os.path.ismount(path) or is_listed_mount(path):
-        return "mounted"
-    return "free"
-
-
-def is_listed_mount(path: Path) -> bool:
-    target = os.path.realpath(path)
-    try:
-        with open("/proc/self/mounts") as mounts:
-            return any(line.split()[1] == target for line in mounts if len(line.split()) > 1)
-    except OSError:
-        return False
-
-
-def force_unmount(path: Path) -> None:
-    """Detaches a (stale) mount: fusermount3 -uz, falling back to umount -l."""
-    for command in (["fusermount3", "-u", "-z", str(path)], ["umount", "-l", str(path)]):
-        try:
-            if subprocess.run(command, capture_output=True, timeout=30).returncode == 0:
-                return
-        except (OSError, subprocess.TimeoutExpired):
-            continue

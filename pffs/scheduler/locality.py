@@ -16,7 +16,7 @@ from typing import Any
 
 CACHE_ANNOTATION = "pffs.io/cache"
 DATASETS_ANNOTATION = "pffs.io/datasets"
-CSI_DRIVER = "pffs.csi.io"
+CSI_DRIVER = "csi.pffs.io"
 
 
 class BadObject(ValueError):

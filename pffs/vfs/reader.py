@@ -220,6 +220,19 @@ class ObjectReader:
         """Puts every block of the object on disk; returns the bytes fetched from the backend."""
         return sum(self.warm_block(info, i) for i in range(self.block_count(info)))
 
+    def cached_bytes(self, info: ObjectInfo) -> int:
+        """Bytes of the object whose blocks are on the disk tier (for the node's cache report)."""
+        if self.cache.disk is None:
+            return 0
+        self.cache.wait_for_disk()
+        disk = self.cache.disk
+        ranges = (
+            self.block_range(info, i)
+            for i in range(self.block_count(info))
+            if disk.contains(self.key(info, i))
+        )
+        return sum(end - start for start, end in ranges)
+
     def cached_fraction(self, info: ObjectInfo) -> float:
         """The fraction of the object's blocks on the disk tier (after the blocks read so far are written)."""
         count = self.block_count(info)

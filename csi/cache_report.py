@@ -1,0 +1,161 @@
+"""The node's cache report: what its pffs cache holds of each dataset staged here, published on the Node
+object as the annotation `pffs.io/cache`, in the JSON that `pffs extender` and `pffs scheduler` read
+(pffs.scheduler.locality.node_cache):
+
+    {"datasets": {"s3://bucket/prefix": {"cached_bytes": N, "total_bytes": M}},
+     "capacity_bytes": C, "used_bytes": U, "updated_at": "2026-11-25T10:00:00Z"}
+
+A dataset's total is the size of what one listing of its source finds; its cached bytes are the bytes of
+the blocks of those objects on the disk tier. The report is published at most once per interval and
+only when it changed, with a patch of that one annotation through the official `kubernetes` client (RBAC:
+get and patch on nodes). An API server that does not answer is logged once and retried with backoff, on
+this thread only: it never holds a CSI call.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from pffs.backends.urls import open_backend
+from pffs.csi.attributes import backend_options, parse_attributes, parse_credentials
+from pffs.csi.metrics import PluginMetrics
+from pffs.csi.volumes import VolumeManager
+from pffs.scheduler.locality import CACHE_ANNOTATION, normalize_dataset
+from pffs.vfs import Vfs
+
+log = logging.getLogger(__name__)
+
+MAX_BACKOFF_S = 300.0
+
+
+def dataset_usage(manager: VolumeManager, staging_path: str) -> tuple[str, int, int]:
+    """(dataset URL, cached bytes, total bytes) of one staged volume, from one listing of its source."""
+    with manager.state.lock:
+        staged = manager.state.records.staged[staging_path]
+        context = dict(staged.attributes)
+    attributes = parse_attributes(context, "recorded volume attributes")
+    credentials = parse_credentials(manager.state.read_secrets(staging_path), "recorded secret")
+    backend, root = open_backend(attributes.source, backend_options(attributes, credentials))
+    vfs = Vfs(backend, manager.cache_settings_for(staging_path, attributes))
+    objects = [info for info in vfs.walk_files(root)]
+    total = sum(info.size for info in objects)
+    cached = sum(vfs.reader.cached_bytes(info) for info in objects)
+    return normalize_dataset(attributes.source), cached, total
+
+
+def build_report(manager: VolumeManager) -> dict[str, Any]:
+    datasets: dict[str, dict[str, int]] = {}
+    with manager.state.lock:
+        paths = list(manager.state.records.staged)
+    for path in paths:
+        try:
+            url, cached, total = dataset_usage(manager, path)
+        except Exception as exc:  # one unreachable source must not hide the others
+            log.info("cache report: could not measure the volume at %s: %s", path, exc)
+            continue
+        entry = datasets.setdefault(url, {"cached_bytes": 0, "total_bytes": 0})
+        entry["cached_bytes"] = max(entry["cached_bytes"], cached)
+        entry["total_bytes"] = max(entry["total_bytes"], total)
+    node_cache = manager.config.cache
+    return {
+        "datasets": dict(sorted(datasets.items())),
+        "capacity_bytes": node_cache.cache_size,
+        "used_bytes": manager.disk_bytes_used(),
+    }
+
+
+def stamped(report: dict[str, Any]) -> str:
+    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return json.dumps({**report, "updated_at": now}, sort_keys=True)
+
+
+class NodeAnnotation:
+    """Writes one annotation of one Node through the official client."""
+
+    def __init__(self, node_name: str, api: Any) -> None:
+        self.node_name = node_name
+        self.api = api  # kubernetes.client.CoreV1Api
+
+    def write(self, value: str) -> None:
+        body = {"metadata": {"annotations": {CACHE_ANNOTATION: value}}}
+        self.api.patch_node(self.node_name, body, _request_timeout=10)
+
+
+class CacheReporter:
+    """A thread: measure, and publish when the report changed, every `interval_s` (longer while the API
+    server fails)."""
+
+    def __init__(
+        self,
+        manager: VolumeManager,
+        publish: Callable[[str], None],
+        metrics: PluginMetrics,
+        interval_s: float,
+        where: str,
+    ) -> None:
+        self.manager = manager
+        self.publish = publish
+        self.metrics = metrics
+        self.interval_s = interval_s
+        self.where = where
+        self._stop = threading.Event()
+        self._last: str | None = None
+        self._failing = False
+        self._backoff = interval_s
+        self._thread = threading.Thread(target=self._run, name="cache-report", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        delay = min(5.0, self.interval_s)
+        while not self._stop.wait(delay):
+            delay = self.report_once()
+
+    def report_once(self) -> float:
+        """Measures and publishes if changed; returns the seconds until the next round."""
+        try:
+            report = build_report(self.manager)
+        except Exception:
+            log.exception("cache report: could not be made")
+            return self.interval_s
+        unchanged = json.dumps(report, sort_keys=True)
+        if unchanged == self._last:
+            return self.interval_s
+        try:
+            self.publish(stamped(report))
+        except Exception as exc:
+            self.metrics.report_failures.inc()
+            if not self._failing:
+                log.warning(
+                    "cache report: could not write it to %s (%s); retrying with backoff, CSI calls go on",
+                    self.where,
+                    _short(exc),
+                )
+            self._failing = True
+            self._backoff = min(MAX_BACKOFF_S, 2 * self._backoff)
+            return self._backoff
+        if self._failing:
+            log.info("cache report: %s takes reports again", self.where)
+        self._failing = False
+        self._backoff = self.interval_s
+        self._last = unchanged
+        self.metrics.report_publishes.inc()
+        return self.interval_s
+
+
+def _short(exc: BaseException) -> str:
+    """An API error in a few words: its status and reason, never its headers or body."""
+    status = getattr(exc, "status", None)
+    if status is not None:
+        return f"HTTP {status} {getattr(exc, 'reason', '')}".strip()
+    return f"{type(exc).__name__}: {exc}"[:200]

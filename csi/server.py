@@ -1,0 +1,230 @@
+"""`pffs csi`: the plugin process. Serves Identity always, Controller and/or Node by mode, on a unix socket
+(or TCP, for tests); in node mode adopts the mounts a previous plugin process left, supervises them and
+publishes the node's cache report. SIGTERM stops serving and leaves the mounts running.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+import signal
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from pffs.config import CacheSettings
+from pffs.csi import csi_pb2_grpc
+from pffs.csi.controller import ControllerServicer
+from pffs.csi.identity import DRIVER_NAME, IdentityServicer
+from pffs.csi.metrics import PluginMetrics
+from pffs.csi.node import NodeServicer
+from pffs.csi.volumes import NodeConfig, VolumeManager
+
+log = logging.getLogger(__name__)
+
+MODES = ("node", "controller", "all")
+ZONE_LABEL = "topology.kubernetes.io/zone"
+TOR_LABEL = "pffs.io/tor"
+
+
+@dataclass
+class PluginOptions:
+    endpoint: str
+    node_id: str
+    mode: str = "all"
+    state_dir: Path = Path("/var/lib/pffs-csi")
+    cache: CacheSettings = field(default_factory=CacheSettings)
+    zone: str | None = None
+    tor: str | None = None
+    metrics_port: int | None = None
+    metrics_address: str = "127.0.0.1"
+    check_interval_s: float = 1.0
+    report_interval_s: float = 30.0
+    kubeconfig: Path | None = None
+    in_cluster: bool = False
+    mount_verbosity: int = 1
+
+
+def grpc_address(endpoint: str) -> tuple[str, str | None]:
+    """(the address grpc binds, the socket file it makes) from unix:///path, unix:/path or tcp://host:port."""
+    if endpoint.startswith("unix://"):
+        path = endpoint[len("unix://") :]
+    elif endpoint.startswith("unix:"):
+        path = endpoint[len("unix:") :]
+    elif endpoint.startswith("tcp://"):
+        return endpoint[len("tcp://") :], None
+    else:
+        raise ValueError(f"--endpoint {endpoint!r}: use unix:///path/csi.sock (or tcp://127.0.0.1:PORT)")
+    if not path.startswith("/"):
+        raise ValueError(f"--endpoint {endpoint!r}: the socket path must be absolute")
+    return f"unix://{path}", path
+
+
+class Supervisor:
+    """A thread that checks the node's mounts every interval and repairs dead ones."""
+
+    def __init__(self, volumes: VolumeManager, interval_s: float) -> None:
+        self.volumes = volumes
+        self.interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="supervisor", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.volumes.check()
+            except Exception:
+                log.exception("supervisor round failed")
+
+
+def kubernetes_api(options: PluginOptions) -> Any | None:
+    """A CoreV1Api from the pod's service account or a kubeconfig (exec plugins and all, through the
+    official client); None where neither is given (outside a cluster)."""
+    if not options.in_cluster and options.kubeconfig is None:
+        return None
+    from kubernetes import client, config
+
+    configuration = client.Configuration()
+    if options.in_cluster:
+        config.load_incluster_config(client_configuration=configuration)
+    else:
+        config.load_kube_config(config_file=str(options.kubeconfig), client_configuration=configuration)
+    return client.CoreV1Api(client.ApiClient(configuration))
+
+
+def node_topology(api: Any, node_name: str) -> tuple[str | None, str | None]:
+    """The Node's zone and ToR switch labels, if the API server answers within a few seconds."""
+    try:
+        node = api.read_node(node_name, _request_timeout=5)
+    except Exception as exc:
+        log.warning("could not read Node %s's labels for topology (%s); give --zone/--tor", node_name, exc)
+        return None, None
+    labels = node.metadata.labels or {}
+    return labels.get(ZONE_LABEL), labels.get(TOR_LABEL)
+
+
+class Plugin:
+    """The running plugin: the gRPC server and, in node mode, the volumes, supervisor and reporter."""
+
+    def __init__(self, options: PluginOptions) -> None:
+        if options.mode not in MODES:
+            raise ValueError(f"--mode {options.mode!r}: use node, controller or all")
+        if not options.node_id:
+            raise ValueError("--node-id is required (or NODE_ID in the environment)")
+        self.options = options
+        self.address, self.socket_path = grpc_address(options.endpoint)
+        self.metrics = PluginMetrics()
+        self.volumes: VolumeManager | None = None
+        self.supervisor: Supervisor | None = None
+        self.reporter: Any = None
+        self.server = grpc.server(concurrent.futures.ThreadPoolExecutor(16, thread_name_prefix="csi-rpc"))
+        serve_node = options.mode in ("node", "all")
+        serve_controller = options.mode in ("controller", "all")
+        csi_pb2_grpc.add_IdentityServicer_to_server(
+            IdentityServicer(self.metrics, serve_controller, serve_node), self.server
+        )
+        if serve_controller:
+            csi_pb2_grpc.add_ControllerServicer_to_server(ControllerServicer(self.metrics), self.server)
+        if serve_node:
+            self._setup_node()
+
+    def _setup_node(self) -> None:
+        options = self.options
+        api = kubernetes_api(options)
+        zone, tor = options.zone, options.tor
+        if api is not None and (zone is None or tor is None):
+            labelled_zone, labelled_tor = node_topology(api, options.node_id)
+            zone, tor = zone or labelled_zone, tor or labelled_tor
+        config = NodeConfig(
+            node_id=options.node_id,
+            state_dir=options.state_dir,
+            cache=options.cache,
+            zone=zone,
+            tor=tor,
+            mount_verbosity=options.mount_verbosity,
+        )
+        self.volumes = VolumeManager(config, self.metrics)
+        self.volumes.adopt()
+        csi_pb2_grpc.add_NodeServicer_to_server(NodeServicer(self.volumes, self.metrics), self.server)
+        self.supervisor = Supervisor(self.volumes, options.check_interval_s)
+        if api is not None:
+            from pffs.csi.cache_report import CacheReporter, NodeAnnotation
+
+            annotation = NodeAnnotation(options.node_id, api)
+            self.reporter = CacheReporter(
+                self.volumes,
+                annotation.write,
+                self.metrics,
+                options.report_interval_s,
+                f"Node {options.node_id}",
+            )
+
+    def start(self) -> None:
+        if self.socket_path:
+            Path(self.socket_path).parent.mkdir(parents=True, exist_ok=True)
+            if os.path.exists(self.socket_path):
+                os.unlink(self.socket_path)  # left by a plugin that was killed
+        if self.server.add_insecure_port(self.address) == 0 and not self.socket_path:
+            raise OSError(98, f"cannot listen on {self.options.endpoint}")
+        self.server.start()
+        if self.options.metrics_port:
+            self.metrics.serve(self.options.metrics_address, self.options.metrics_port)
+        if self.supervisor:
+            self.supervisor.start()
+        if self.reporter:
+            self.reporter.start()
+        log.info(
+            "%s %s serving %s on %s (node %s)",
+            DRIVER_NAME,
+            self.options.mode,
+            "Identity+" + self.options.mode,
+            self.options.endpoint,
+            self.options.node_id,
+        )
+
+    def stop(self) -> None:
+        """Stops serving; mounts keep running for the next plugin process to adopt."""
+        self.server.stop(grace=5).wait(10)
+        if self.supervisor:
+            self.supervisor.stop()
+        if self.reporter:
+            self.reporter.stop()
+        if self.volumes:
+            self.volumes.close()
+        if self.socket_path and os.path.exists(self.socket_path):
+            os.unlink(self.socket_path)
+        log.info("stopped; %d volume mount(s) left running", self._staged_count())
+
+    def _staged_count(self) -> int:
+        if self.volumes is None:
+            return 0
+        with self.volumes.state.lock:
+            return len(self.volumes.state.records.staged)
+
+
+def serve(options: PluginOptions) -> int:
+    plugin = Plugin(options)
+    stopping = threading.Event()
+
+    def on_signal(signum: int, frame: Any) -> None:
+        log.info("%s: stopping (mounts keep running)", signal.Signals(signum).name)
+        stopping.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    plugin.start()
+    while not stopping.wait(1.0):  # a timed wait lets the signal handler run promptly
+        pass
+    plugin.stop()
+    return 0

@@ -1,0 +1,421 @@
+"""The node's volumes: one pffs mount per volume at its staging path, bound into every pod's target path,
+so all pods of a node share one mount and one disk cache; inline volumes share a mount per source; a
+dead mount is mounted again in place and its targets bound again.
+
+The gRPC servicer (node.py) checks requests and calls this; the supervisor (supervisor.py) calls `check`
+every few seconds. Every change to the records is saved before the call returns.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from pffs.backends.urls import open_backend
+from pffs.config import CacheSettings
+from pffs.csi.attributes import (
+    Credentials,
+    VolumeAttributes,
+    backend_options,
+    cache_settings,
+    canonical,
+    mount_options,
+    parse_attributes,
+    parse_credentials,
+)
+from pffs.csi.metrics import PluginMetrics
+from pffs.csi.mounts import (
+    bind_mount,
+    is_mount_process,
+    mount_pid,
+    mounted_paths,
+    stop_mount_process,
+    unmount_all,
+)
+from pffs.csi.rpc import Abort, Code, KeyedLocks, with_deadline
+from pffs.csi.state import NodeState, Staged, Target, path_key
+from pffs.fuse.launch import MountStartError, start_mount_process
+from pffs.vfs import shared_block_cache
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    node_id: str
+    state_dir: Path
+    cache: CacheSettings  # the node's disk cache: shared by every volume that does not ask for its own
+    zone: str | None = None
+    tor: str | None = None
+    mount_ready_timeout_s: float = 60.0
+    unmount_timeout_s: float = 60.0
+    preflight_timeout_s: float = 30.0
+    mount_verbosity: int = 1
+
+
+class VolumeManager:
+    def __init__(self, config: NodeConfig, metrics: PluginMetrics) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.state = NodeState(config.state_dir)
+        self.locks = KeyedLocks()
+        self._children: dict[int, subprocess.Popen[bytes]] = {}
+        self._preflight = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="preflight")
+        self._update_gauges()
+
+    # Staging: one mount per volume
+
+    def stage(
+        self,
+        volume_id: str,
+        staging_path: str,
+        context: dict[str, str],
+        secrets: dict[str, str],
+        capability: str,
+        read_only: bool,
+        inline_key: str | None = None,
+    ) -> Staged:
+        attributes = parse_attributes(context, "volume attributes")
+        credentials = parse_credentials(secrets, "node stage secret")
+        with self.state.lock:
+            existing = self.state.records.staged.get(staging_path)
+        if existing is not None:
+            if existing.volume_id != volume_id and existing.inline_key is None:
+                raise Abort(
+                    Code.ALREADY_EXISTS,
+                    f"{staging_path} has volume {existing.volume_id} staged, not {volume_id}",
+                )
+            if existing.capability != capability or existing.read_only != read_only:
+                raise Abort(
+                    Code.ALREADY_EXISTS,
+                    f"volume {volume_id} is staged at {staging_path} with another access mode or read-only",
+                )
+            if not self.is_alive(existing):
+                self.repair(existing)
+            return existing
+        self._check_cache_request(attributes, staging_path)
+        self._preflight_source(attributes, credentials)
+        staged = Staged(
+            volume_id=volume_id,
+            staging_path=staging_path,
+            attributes=attributes.as_context(),
+            capability=capability,
+            read_only=read_only,
+            inline_key=inline_key,
+        )
+        os.makedirs(staging_path, exist_ok=True)
+        with self.state.lock:
+            self.state.keep_secrets(staging_path, credentials.reveal())
+        try:
+            staged.pid = self._start_mount(staged, attributes, credentials)
+        except BaseException:
+            self.state.forget_secrets(staging_path)
+            raise
+        with self.state.lock:
+            self.state.records.staged[staging_path] = staged
+            self.state.save()
+        self._update_gauges()
+        return staged
+
+    def unstage(self, staging_path: str) -> None:
+        with self.state.lock:
+            staged = self.state.records.staged.get(staging_path)
+        if staged is None:
+            # Not ours, or forgotten by a plugin that lost its state: leave nothing mounted there.
+            if staging_path in mounted_paths():
+                stop_mount_process(mount_pid(staging_path), staging_path, self.config.unmount_timeout_s)
+            return
+        for target in list(staged.targets):
+            log.warning("unstaging %s while %s is still published there; unbinding it", staging_path, target)
+            unmount_all(target)
+        stop_mount_process(staged.pid, staging_path, self.config.unmount_timeout_s)
+        with self.state.lock:
+            self.state.records.staged.pop(staging_path, None)
+            self.state.forget_secrets(staging_path)
+            self.state.save()
+        if staged.inline_key:
+            shutil.rmtree(Path(staging_path).parent, ignore_errors=True)
+        self._update_gauges()
+
+    # Publishing: bind mounts into pods
+
+    def publish(self, volume_id: str, staging_path: str, target_path: str, read_only: bool) -> None:
+        with self.state.lock:
+            staged = self.state.records.staged.get(staging_path)
+            owner = self.state.find_target(target_path)
+        if staged is None or (staged.volume_id != volume_id and staged.inline_key is None):
+            raise Abort(
+                Code.FAILED_PRECONDITION,
+                f"volume {volume_id} is not staged at {staging_path} (NodeStageVolume first)",
+            )
+        read_only = read_only or staged.read_only
+        if owner is not None:
+            existing = owner.targets[target_path]
+            if owner is not staged or existing.volume_id != volume_id or existing.read_only != read_only:
+                raise Abort(
+                    Code.ALREADY_EXISTS,
+                    f"{target_path} is already published with another volume or read-only flag",
+                )
+            if target_path not in mounted_paths():
+                bind_mount(staging_path, target_path, read_only)
+            return
+        if not self.is_alive(staged):
+            self.repair(staged)
+        os.makedirs(target_path, exist_ok=True)
+        if target_path in mounted_paths():
+            raise Abort(Code.ALREADY_EXISTS, f"something else is mounted at {target_path}")
+        bind_mount(staging_path, target_path, read_only)
+        with self.state.lock:
+            staged.targets[target_path] = Target(volume_id=volume_id, read_only=read_only)
+            self.state.save()
+        self._update_gauges()
+
+    def publish_inline(
+        self,
+        volume_id: str,
+        target_path: str,
+        context: dict[str, str],
+        secrets: dict[str, str],
+        capability: str,
+        read_only: bool,
+    ) -> None:
+        """An inline (ephemeral) volume: the CO publishes without staging. Pods naming the same source with
+        the same attributes and credentials share one mount, made here on the first and kept until the
+        last is unpublished."""
+        attributes = parse_attributes(context, "inline volume attributes")
+        credentials = parse_credentials(secrets, "node publish secret")
+        key = inline_key(attributes, credentials)
+        with self.locks.hold(f"inline:{key}", wait_s=self.config.mount_ready_timeout_s + 5):
+            with self.state.lock:
+                staged = self.state.find_inline(key)
+            if staged is None:
+                staging_path = str(self.config.state_dir / "inline" / key / "mount")
+                with self.locks.hold(staging_path):
+                    staged = self.stage(
+                        volume_id,
+                        staging_path,
+                        context,
+                        secrets,
+                        capability="inline",
+                        read_only=False,
+                        inline_key=key,
+                    )
+            with self.locks.hold(staged.staging_path, wait_s=30):
+                self.publish(volume_id, staged.staging_path, target_path, read_only)
+
+    def unpublish(self, volume_id: str, target_path: str) -> None:
+        with self.state.lock:
+            staged = self.state.find_target(target_path)
+        if staged is not None and staged.targets[target_path].volume_id != volume_id:
+            raise Abort(
+                Code.NOT_FOUND,
+                f"{target_path} holds volume {staged.targets[target_path].volume_id}, not {volume_id}",
+            )
+        unmount_all(target_path)
+        try:
+            os.rmdir(target_path)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            log.warning("could not remove %s: %s", target_path, exc.strerror)
+        if staged is None:
+            return
+        with self.state.lock:
+            staged.targets.pop(target_path, None)
+            self.state.save()
+            last_inline_target = staged.inline_key is not None and not staged.targets
+        self._update_gauges()
+        if last_inline_target:
+            with self.locks.hold(f"inline:{staged.inline_key}", wait_s=30):
+                with self.state.lock:
+                    still_unused = not staged.targets and staged.staging_path in self.state.records.staged
+                if still_unused:
+                    self.unstage(staged.staging_path)
+
+    # Health and repair
+
+    def is_alive(self, staged: Staged) -> bool:
+        return is_mount_process(staged.pid) and staged.staging_path in mounted_paths()
+
+    def check(self) -> None:
+        """One round of the supervisor: reap finished children, repair dead mounts, re-bind targets that
+        lost their bind."""
+        for pid, child in list(self._children.items()):
+            if child.poll() is not None:
+                del self._children[pid]
+        with self.state.lock:
+            volumes = list(self.state.records.staged.values())
+        for staged in volumes:
+            try:
+                with self.locks.hold(staged.staging_path, wait_s=1.0):
+                    with self.state.lock:
+                        if self.state.records.staged.get(staged.staging_path) is not staged:
+                            continue  # unstaged meanwhile
+                    if not self.is_alive(staged):
+                        self.repair(staged)
+                    else:
+                        self._rebind_lost_targets(staged)
+            except Abort:
+                continue  # an RPC is working on it; next round
+            except Exception as exc:
+                self.metrics.recovery_failures.inc()
+                log.error("could not repair the mount at %s: %s (retrying)", staged.staging_path, exc)
+
+    def adopt(self) -> None:
+        """At start: the records of a previous plugin process. Healthy mounts are kept as they are (no
+        remount, no request to the backend); dead ones are mounted again."""
+        with self.state.lock:
+            volumes = list(self.state.records.staged.values())
+        for staged in volumes:
+            if self.is_alive(staged):
+                log.info(
+                    "adopted the running mount of %s at %s (pid %s)",
+                    staged.attributes.get("source"),
+                    staged.staging_path,
+                    staged.pid,
+                )
+        self.check()
+
+    def repair(self, staged: Staged) -> None:
+        """Mounts a dead volume again at its staging path and binds every target again. The pods' bind
+        mounts pointed at the dead mount; with HostToContainer propagation they see the new ones."""
+        log.warning(
+            "the mount of %s at %s is dead (pid %s); mounting it again",
+            staged.attributes.get("source"),
+            staged.staging_path,
+            staged.pid,
+        )
+        for target in staged.targets:
+            unmount_all(target)
+        if staged.pid and is_mount_process(staged.pid):
+            stop_mount_process(staged.pid, staged.staging_path, timeout_s=5)
+        unmount_all(staged.staging_path)
+        attributes = parse_attributes(staged.attributes, "recorded volume attributes")
+        secrets = self.state.read_secrets(staged.staging_path)
+        credentials = parse_credentials(secrets, "recorded secret")
+        try:
+            pid = self._start_mount(staged, attributes, credentials)
+        except Exception:
+            self.metrics.recovery_failures.inc()
+            raise
+        with self.state.lock:
+            staged.pid = pid
+            self.state.save()
+        for target, info in staged.targets.items():
+            os.makedirs(target, exist_ok=True)
+            bind_mount(staged.staging_path, target, info.read_only)
+        self.metrics.recoveries.inc()
+        log.info(
+            "mounted %s again at %s (pid %d) and re-bound %d target(s)",
+            staged.attributes.get("source"),
+            staged.staging_path,
+            pid,
+            len(staged.targets),
+        )
+
+    def _rebind_lost_targets(self, staged: Staged) -> None:
+        mounted = mounted_paths()
+        for target, info in staged.targets.items():
+            if target not in mounted and os.path.isdir(target):
+                log.warning("target %s lost its bind mount; binding it again", target)
+                bind_mount(staged.staging_path, target, info.read_only)
+
+    # Mount processes
+
+    def _start_mount(self, staged: Staged, attributes: VolumeAttributes, credentials: Credentials) -> int:
+        options = mount_options(
+            attributes,
+            credentials,
+            Path(staged.staging_path),
+            self.cache_settings_for(staged.staging_path, attributes),
+            staged.read_only,
+            self.config.state_dir / "logs" / f"mount-{path_key(staged.staging_path)}.log",
+            self.config.mount_verbosity,
+        )
+        try:
+            process = start_mount_process(options, self.config.mount_ready_timeout_s)
+        except MountStartError as exc:
+            code = Code.INVALID_ARGUMENT if exc.exit_code == 2 else Code.INTERNAL
+            raise Abort(code, f"could not mount {attributes.source}: {exc}") from None
+        self._children[process.pid] = process.popen
+        return process.pid
+
+    def cache_settings_for(self, staging_path: str, attributes: VolumeAttributes) -> CacheSettings:
+        """The node's shared cache, or the volume's own (under the node's cache dir) when it asks for a
+        size: the node's bound is split, the shared cache keeping what the volumes' own caches leave."""
+        node = self.config.cache
+        if attributes.cache_size is None:
+            own = sum(self._own_cache_sizes(exclude=staging_path))
+            shared = attributes.model_copy(update={"cache_size": max(node.cache_size - own, 0)})
+            return cache_settings(shared, node, node.cache_dir)
+        return cache_settings(attributes, node, node.cache_dir / "volumes" / path_key(staging_path))
+
+    def _own_cache_sizes(self, exclude: str) -> list[int]:
+        sizes = []
+        with self.state.lock:
+            for path, staged in self.state.records.staged.items():
+                size = staged.attributes.get("cacheSize")
+                if size and path != exclude:
+                    sizes.append(parse_attributes(staged.attributes, "recorded").cache_size or 0)
+        return sizes
+
+    def _check_cache_request(self, attributes: VolumeAttributes, staging_path: str) -> None:
+        if attributes.cache_size is None:
+            return
+        node_size = self.config.cache.cache_size
+        if attributes.cache_size > node_size:
+            raise Abort(
+                Code.INVALID_ARGUMENT,
+                f"cacheSize {attributes.cache_size} is larger than this node's cache ({node_size} bytes, "
+                "the plugin's --cache-size)",
+            )
+        taken = sum(self._own_cache_sizes(exclude=staging_path))
+        if taken + attributes.cache_size > node_size:
+            raise Abort(
+                Code.RESOURCE_EXHAUSTED,
+                f"cacheSize {attributes.cache_size}: only {node_size - taken} bytes of this node's cache "
+                "are not given to other volumes' own caches",
+            )
+
+    def _preflight_source(self, attributes: VolumeAttributes, credentials: Credentials) -> None:
+        """Checks that the source exists and the credentials work, here, so that a mistake gets its own
+        code (NOT_FOUND, PERMISSION_DENIED, UNAVAILABLE) and not the mount process's one line."""
+
+        def stat_source() -> bool:
+            backend, root = open_backend(attributes.source, backend_options(attributes, credentials))
+            return backend.stat(root).is_dir
+
+        is_dir = with_deadline(
+            self._preflight, stat_source, self.config.preflight_timeout_s, attributes.source
+        )
+        if not is_dir:
+            raise Abort(
+                Code.INVALID_ARGUMENT, f"source {attributes.source} is an object, not a prefix or folder"
+            )
+
+    def disk_bytes_used(self) -> int:
+        """Block bytes in the node's shared disk cache."""
+        settings = self.config.cache
+        return int(shared_block_cache(settings).usage().get("disk_bytes", 0))
+
+    def _update_gauges(self) -> None:
+        with self.state.lock:
+            staged = self.state.records.staged.values()
+            self.metrics.volumes_staged.set(len(staged))
+            self.metrics.targets_published.set(sum(len(s.targets) for s in staged))
+
+    def close(self) -> None:
+        """Stops supervising; the mounts keep running (the next plugin process adopts them)."""
+        self._preflight.shutdown(wait=False, cancel_futures=True)
+        with self.state.lock:
+            self.state.save()
+
+
+def inline_key(attributes: VolumeAttributes, credentials: Credentials) -> str:
+    return hashlib.sha256(f"{canonical(attributes)}\0{credentials.digest}".encode()).hexdigest()[:24]

@@ -1,0 +1,76 @@
+"""Starting a mount in a process of its own (pffs.cli.mount_daemon), for `pffs mount` and the CSI node plugin.
+
+The options travel as JSON on the child's stdin, credentials included: never in its argv or environment,
+where `ps` and /proc/*/environ would show them. The child runs in its own session, so the process that
+started it may exit or restart without taking the mount down. It answers one line on stdout: "ok" once
+mounted, or the reason it could not mount.
+"""
+
+from __future__ import annotations
+
+import json
+import select
+import subprocess
+import sys
+from dataclasses import dataclass
+
+from pffs.fuse.options import MountOptions
+
+SECRET_FIELDS = ("access_key_id", "secret_access_key", "session_token")
+
+
+class MountStartError(Exception):
+    """The mount process could not mount; the message is the reason it gave (one line, no secret)."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+@dataclass(frozen=True)
+class MountProcess:
+    pid: int
+    popen: subprocess.Popen[bytes]
+
+
+def options_with_credentials(options: MountOptions) -> bytes:
+    """The options as the mount process reads them. pydantic prints SecretStr as stars; the child needs the
+    values, so they are put back here, in the one message that goes through the pipe."""
+    data = options.model_dump(mode="json")
+    for name in SECRET_FIELDS:
+        value = getattr(options.backend, name)
+        if value is not None:
+            data["backend"][name] = value.get_secret_value()
+    return json.dumps(data).encode()
+
+
+def start_mount_process(
+    options: MountOptions, ready_timeout_s: float, env: dict[str, str] | None = None
+) -> MountProcess:
+    """Starts the mount process and waits until it is mounted; raises MountStartError with its reason.
+    `env`: the child's environment (default: this one's, so `pffs mount` passes on AWS_* from the shell)."""
+    assert options.log_file is not None
+    options.log_file.parent.mkdir(parents=True, exist_ok=True)
+    with open(options.log_file, "ab") as log:
+        child = subprocess.Popen(
+            [sys.executable, "-m", "pffs.cli.mount_daemon"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=log,
+            start_new_session=True,  # not killed with the caller's session, nor by a signal to its group
+            close_fds=True,
+            env=env,
+        )
+    assert child.stdin is not None and child.stdout is not None
+    child.stdin.write(options_with_credentials(options))
+    child.stdin.close()
+    readable, _, _ = select.select([child.stdout], [], [], ready_timeout_s)
+    answer = child.stdout.readline().decode(errors="replace").strip() if readable else ""
+    child.stdout.close()
+    if answer == "ok":
+        return MountProcess(child.pid, child)
+    if not answer:
+        child.kill()
+        answer = f"the mount process did not answer within {ready_timeout_s:.0f} s (see {options.log_file})"
+    code = child.wait()
+    raise MountStartError(answer.removeprefix("error: "), code or 1)

@@ -1,0 +1,44 @@
+"""What is at a mountpoint (free, mounted, a dead FUSE mount) and how to detach a dead one. No pyfuse3 here:
+the CLI and the CSI plugin use it without loading the FUSE stack."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+
+def mountpoint_state(path: Path) -> str:
+    """'missing', 'not-a-directory', 'stale' (a dead FUSE mount: ENOTCONN), 'mounted' or 'free'."""
+    try:
+        os.stat(path)
+    except FileNotFoundError:
+        return "missing"
+    except OSError as exc:
+        if exc.errno in (107, 5):  # ENOTCONN, or EIO from some dead mounts
+            return "stale"
+        raise
+    if not os.path.isdir(path):
+        return "not-a-directory"
+    if os.path.ismount(path) or is_listed_mount(path):
+        return "mounted"
+    return "free"
+
+
+def is_listed_mount(path: Path) -> bool:
+    target = os.path.realpath(path)
+    try:
+        with open("/proc/self/mounts") as mounts:
+            return any(line.split()[1] == target for line in mounts if len(line.split()) > 1)
+    except OSError:
+        return False
+
+
+def force_unmount(path: Path) -> None:
+    """Detaches a (stale) mount: fusermount3 -uz, falling back to umount -l."""
+    for command in (["fusermount3", "-u", "-z", str(path)], ["umount", "-l", str(path)]):
+        try:
+            if subprocess.run(command, capture_output=True, timeout=30).returncode == 0:
+                return
+        except (OSError, subprocess.TimeoutExpired):
+            continue
