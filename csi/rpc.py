@@ -181,7 +181,15 @@ def rpc(method: Handler) -> Handler:
 
 # Called every few seconds by the kubelet and the sidecars: logged at debug only.
 QUIET_METHODS = frozenset(
-    {"Probe", "GetPluginInfo", "GetPluginCapabilities", "NodeGetCapabilities", "NodeGetVolumeStats"}
+    {
+        "Probe",
+        "GetPluginInfo",
+        "GetPluginCapabilities",
+        "NodeGetCapabilities",
+        "ControllerGetCapabilities",
+        "NodeGetVolumeStats",
+        "NodeGetVolumeHealth",
+    }
 )
 
 

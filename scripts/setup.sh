@@ -32,3 +32,28 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     .venv/bin/python -m pip install -q -c constraints.txt -e '.[dev]'
     echo "$want" > "$stamp"
 fi
+
+# Go-built tools for the CSI tests, built once into a cache folder outside the repository (CI's clean
+# clones reuse it; Go's own module and build caches make a rebuild after a version change quick):
+# csi-sanity (the CSI conformance suite; its module also brings the spec's csi.proto that
+# tests/test_csi_proto.py compares ours with) and kustomize (renders deploy/ for tests/test_deploy.py).
+TOOLS_BIN="${PFFS_TOOLS_BIN:-$HOME/.cache/pffs-tools/bin}"
+GO_TOOLS=(
+    "csi-sanity github.com/kubernetes-csi/csi-test/v5/cmd/csi-sanity@v5.6.0"
+    "kustomize sigs.k8s.io/kustomize/kustomize/v5@v5.7.1"
+)
+for tool in "${GO_TOOLS[@]}"; do
+    read -r name module <<<"$tool"
+    stamp="$TOOLS_BIN/.$name.version"
+    if [ -x "$TOOLS_BIN/$name" ] && [ "$(cat "$stamp" 2>/dev/null)" = "$module" ]; then
+        continue
+    fi
+    if ! command -v go >/dev/null; then
+        echo "setup: Go is needed to build $name ($module); install Go 1.24 or later" >&2
+        exit 1
+    fi
+    echo "setup: building $name with Go into $TOOLS_BIN (once)"
+    mkdir -p "$TOOLS_BIN"
+    GOBIN="$TOOLS_BIN" GOFLAGS=-mod=mod go install "$module"
+    echo "$module" > "$stamp"
+done
