@@ -46,7 +46,7 @@ class PluginOptions:
     report_interval_s: float = 30.0
     kubeconfig: Path | None = None
     in_cluster: bool = False
-    mount_verbosity: int = 1
+    mount_metrics_ports: tuple[int, int] | None = None
 
 
 def grpc_address(endpoint: str) -> tuple[str, str | None]:
@@ -152,7 +152,8 @@ class Plugin:
             cache=options.cache,
             zone=zone,
             tor=tor,
-            mount_verbosity=options.mount_verbosity,
+            mount_metrics_ports=options.mount_metrics_ports,
+            metrics_address=options.metrics_address,
         )
         self.volumes = VolumeManager(config, self.metrics)
         self.volumes.adopt()

@@ -37,6 +37,7 @@ class Staged(BaseModel):
     read_only: bool = False
     inline_key: str | None = None  # set for the shared mount of inline volumes
     pid: int | None = None  # the mount process
+    metrics_port: int | None = None  # the mount's own /metrics, if the plugin gives mounts one
     targets: dict[str, Target] = Field(default_factory=dict)
 
 

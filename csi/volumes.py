@@ -56,7 +56,9 @@ class NodeConfig:
     mount_ready_timeout_s: float = 60.0
     unmount_timeout_s: float = 60.0
     preflight_timeout_s: float = 30.0
-    mount_verbosity: int = 1
+    mount_verbosity: int = 1  # never 2 (debug) for CSI mounts: botocore's debug log prints signed headers
+    mount_metrics_ports: tuple[int, int] | None = None  # each mount's own /metrics, on a port of this range
+    metrics_address: str = "127.0.0.1"
 
 
 class VolumeManager:
@@ -329,6 +331,8 @@ class VolumeManager:
     # Mount processes
 
     def _start_mount(self, staged: Staged, attributes: VolumeAttributes, credentials: Credentials) -> int:
+        if self.config.mount_metrics_ports and staged.metrics_port is None:
+            staged.metrics_port = self._free_metrics_port()
         options = mount_options(
             attributes,
             credentials,
@@ -338,6 +342,10 @@ class VolumeManager:
             self.config.state_dir / "logs" / f"mount-{path_key(staged.staging_path)}.log",
             self.config.mount_verbosity,
         )
+        if staged.metrics_port is not None:
+            options = options.model_copy(
+                update={"metrics_port": staged.metrics_port, "metrics_address": self.config.metrics_address}
+            )
         try:
             process = start_mount_process(options, self.config.mount_ready_timeout_s)
         except MountStartError as exc:
@@ -345,6 +353,16 @@ class VolumeManager:
             raise Abort(code, f"could not mount {attributes.source}: {exc}") from None
         self._children[process.pid] = process.popen
         return process.pid
+
+    def _free_metrics_port(self) -> int | None:
+        assert self.config.mount_metrics_ports is not None
+        first, last = self.config.mount_metrics_ports
+        with self.state.lock:
+            taken = {s.metrics_port for s in self.state.records.staged.values()}
+        free = [port for port in range(first, last + 1) if port not in taken]
+        if not free:
+            log.warning("no port left in %d-%d for a mount's /metrics; this mount serves none", first, last)
+        return free[0] if free else None
 
     def cache_settings_for(self, staging_path: str, attributes: VolumeAttributes) -> CacheSettings:
         """The node's shared cache, or the volume's own (under the node's cache dir) when it asks for a

@@ -66,7 +66,14 @@ def add_parsers(sub: Any, verbosity: argparse.ArgumentParser) -> None:
         "--check-interval", type=float, default=1.0, help="seconds between mount health checks (default 1)"
     )
     p.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port")
-    p.add_argument("--metrics-address", default="127.0.0.1", help="address for /metrics (default 127.0.0.1)")
+    p.add_argument(
+        "--metrics-address", default="127.0.0.1", help="address of every /metrics (default 127.0.0.1)"
+    )
+    p.add_argument(
+        "--mount-metrics-ports",
+        metavar="FIRST-LAST",
+        help="give each volume's mount its own Prometheus /metrics on a port of this range (e.g. 9820-9899)",
+    )
     p.set_defaults(run=run)
 
 
@@ -89,6 +96,7 @@ def run(args: argparse.Namespace) -> int:
         cache = CacheSettings(**values)
     except ValidationError as exc:
         raise BadOptionError(settings_error(exc).replace("_", "-")) from None
+    ports = _port_range(args.mount_metrics_ports) if args.mount_metrics_ports else None
     options = PluginOptions(
         endpoint=endpoint,
         node_id=node_id,
@@ -103,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
         report_interval_s=args.report_interval,
         kubeconfig=args.kubeconfig,
         in_cluster=args.in_cluster,
-        mount_verbosity=max(1, getattr(args, "verbose", 0) or 0),
+        mount_metrics_ports=ports,
     )
     try:
         from pffs.csi.server import Plugin  # noqa: F401  (import errors surface here, before serving)
@@ -113,3 +121,14 @@ def run(args: argparse.Namespace) -> int:
         return serve(options)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+
+
+def _port_range(text: str) -> tuple[int, int]:
+    first, _, last = text.partition("-")
+    try:
+        low, high = int(first), int(last or first)
+    except ValueError:
+        raise UsageError(f"--mount-metrics-ports {text!r}: use FIRST-LAST, e.g. 9820-9899") from None
+    if not (1 <= low <= high <= 65535):
+        raise UsageError(f"--mount-metrics-ports {text!r}: ports between 1 and 65535, first <= last")
+    return low, high
