@@ -83,7 +83,11 @@ class NodeAnnotation:
 
     def write(self, value: str) -> None:
         body = {"metadata": {"annotations": {CACHE_ANNOTATION: value}}}
-        self.api.patch_node(self.node_name, body, _request_timeout=10)
+        # A JSON merge patch touches only this key; the client would otherwise label a dict body
+        # as a JSON patch (its first JSON content type), which the API server refuses.
+        self.api.patch_node(
+            self.node_name, body, _request_timeout=10, _content_type="application/merge-patch+json"
+        )
 
 
 class CacheReporter:

@@ -13,6 +13,7 @@ import ctypes.util
 import errno
 import logging
 import os
+import re
 import signal
 import time
 
@@ -79,7 +80,11 @@ def mounted_paths() -> dict[str, str]:
 
 
 def _unescape(field: str) -> str:
-    return field.encode().decode("unicode_escape") if "\\" in field else field
+    """mountinfo writes space, tab, newline and backslash as \\ooo; every other byte is itself."""
+    if "\\" not in field:
+        return field
+    raw = re.sub(rb"\\([0-7]{3})", lambda m: bytes([int(m.group(1), 8)]), os.fsencode(field))
+    return os.fsdecode(raw)
 
 
 def is_mounted(path: str) -> bool:

@@ -88,7 +88,8 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
                     "staging_target_path is required: pffs stages volumes (NodeStageVolume first)",
                 )
             staging_path = check_path(request.staging_target_path, "staging_target_path")
-            self.volumes.publish(volume_id, staging_path, target_path, read_only)
+            with self.volumes.locks.hold(staging_path, wait_s=30):
+                self.volumes.publish(volume_id, staging_path, target_path, read_only)
         return csi_pb2.NodePublishVolumeResponse()
 
     @rpc

@@ -132,6 +132,8 @@ class VolumeManager:
             # Not ours, or forgotten by a plugin that lost its state: leave nothing mounted there.
             if staging_path in mounted_paths():
                 stop_mount_process(mount_pid(staging_path), staging_path, self.config.unmount_timeout_s)
+            with self.state.lock:
+                self.state.forget_secrets(staging_path)
             return
         for target in list(staged.targets):
             log.warning("unstaging %s while %s is still published there; unbinding it", staging_path, target)
@@ -141,7 +143,8 @@ class VolumeManager:
             self.state.records.staged.pop(staging_path, None)
             self.state.forget_secrets(staging_path)
             self.state.save()
-        if staged.inline_key:
+        if staged.inline_key and staging_path not in mounted_paths():
+            # Never under a live mount: rmtree would go through it and delete the dataset's objects.
             shutil.rmtree(Path(staging_path).parent, ignore_errors=True)
         self._update_gauges()
 
@@ -238,7 +241,8 @@ class VolumeManager:
                 with self.state.lock:
                     still_unused = not staged.targets and staged.staging_path in self.state.records.staged
                 if still_unused:
-                    self.unstage(staged.staging_path)
+                    with self.locks.hold(staged.staging_path, wait_s=30):
+                        self.unstage(staged.staging_path)
 
     # Health and repair
 
@@ -263,10 +267,11 @@ class VolumeManager:
                         self.repair(staged)
                     else:
                         self._rebind_lost_targets(staged)
-            except Abort:
-                continue  # an RPC is working on it; next round
-            except Exception as exc:
-                self.metrics.recovery_failures.inc()
+            except Abort as exc:
+                if exc.code is Code.ABORTED:
+                    continue  # an RPC is working on it; next round
+                log.error("could not repair the mount at %s: %s (retrying)", staged.staging_path, exc.message)
+            except Exception as exc:  # repair() counted it
                 log.error("could not repair the mount at %s: %s (retrying)", staged.staging_path, exc)
 
     def adopt(self) -> None:
@@ -293,6 +298,14 @@ class VolumeManager:
             staged.staging_path,
             staged.pid,
         )
+        try:
+            self._mount_again(staged)
+        except Exception:
+            self.metrics.recovery_failures.inc()
+            raise
+        self.metrics.recoveries.inc()
+
+    def _mount_again(self, staged: Staged) -> None:
         for target in staged.targets:
             unmount_all(target)
         if staged.pid and is_mount_process(staged.pid):
@@ -301,18 +314,13 @@ class VolumeManager:
         attributes = parse_attributes(staged.attributes, "recorded volume attributes")
         secrets = self.state.read_secrets(staged.staging_path)
         credentials = parse_credentials(secrets, "recorded secret")
-        try:
-            pid = self._start_mount(staged, attributes, credentials)
-        except Exception:
-            self.metrics.recovery_failures.inc()
-            raise
+        pid = self._start_mount(staged, attributes, credentials)
         with self.state.lock:
             staged.pid = pid
             self.state.save()
         for target, info in staged.targets.items():
             os.makedirs(target, exist_ok=True)
             bind_mount(staged.staging_path, target, info.read_only)
-        self.metrics.recoveries.inc()
         log.info(
             "mounted %s again at %s (pid %d) and re-bound %d target(s)",
             staged.attributes.get("source"),

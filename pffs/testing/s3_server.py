@@ -153,17 +153,37 @@ class SeaweedS3:
             assert self.process is not None
             if self.process.poll() is not None:
                 raise RuntimeError(f"weed mini exited with {self.process.returncode}; see {self.log_path}")
-            try:
-                urllib.request.urlopen(self.endpoint_url, timeout=1)
-            except urllib.error.HTTPError:
-                return  # the S3 gateway answers (403 to an unsigned request): ready
-            except (urllib.error.URLError, OSError):
-                time.sleep(0.1)
-                continue
-            return
+            if self._gateway_answers() and self._volume_server_registered():
+                return
+            time.sleep(0.1)
         self.stop()
         raise TimeoutError(
             f"SeaweedFS S3 did not answer within {self.startup_timeout_s}s; see {self.log_path}"
+        )
+
+    def _gateway_answers(self) -> bool:
+        try:
+            urllib.request.urlopen(self.endpoint_url, timeout=1)
+        except urllib.error.HTTPError:
+            return True  # the S3 gateway answers (403 to an unsigned request)
+        except (urllib.error.URLError, OSError):
+            return False
+        return True
+
+    def _volume_server_registered(self) -> bool:
+        """The master knows a volume server: until then (briefly after a restart, longer on a loaded
+        machine) reads of existing objects answer 500."""
+        url = f"http://127.0.0.1:{self.ports['master.port']}/dir/status"
+        try:
+            with urllib.request.urlopen(url, timeout=1) as answer:
+                status = json.loads(answer.read())
+        except (urllib.error.URLError, OSError, ValueError):
+            return False
+        topology = status.get("Topology", {})
+        return any(
+            rack.get("DataNodes")
+            for dc in topology.get("DataCenters") or []
+            for rack in dc.get("Racks") or []
         )
 
     def stop(self) -> None:

@@ -1,0 +1,1617 @@
+"""The CSI plugin for real: `pffs csi` in a subprocess on a unix socket, called through its gRPC API as the
+kubelet and the external-provisioner call it, mounting through /dev/fuse over the SeaweedFS S3 server.
+Every data path is checked byte for byte (sha256) against what is stored in S3.
+
+Each test's plugin has its own state dir and cache dir under the test's tmp dir. Teardown kills the
+plugin, stops every mount process it recorded (or that logs under the tmp dir) and unmounts everything
+mounted under the tmp dir, whatever state the test left.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import math
+import os
+import re
+import signal
+import stat
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import s3fs
+from helpers import sha256
+from mounts import drop_page_cache
+from prometheus_client.parser import text_string_to_metric_families
+
+from pffs.csi import csi_pb2, csi_pb2_grpc
+from pffs.csi.mounts import unmount_all
+from pffs.processes import is_alive
+from pffs.scheduler.locality import CACHE_ANNOTATION, node_cache
+from pffs.testing.s3_server import SeaweedS3, free_ports
+
+pytestmark = [
+    pytest.mark.s3,
+    pytest.mark.skipif(not os.path.exists("/dev/fuse"), reason="needs /dev/fuse (FUSE) on this machine"),
+    pytest.mark.skipif(os.geteuid() != 0, reason="the node plugin mounts and bind-mounts: needs root"),
+]
+
+MiB = 1 << 20
+BLOCK = 4 * MiB  # the plugin's default block size
+BIG = 9 * MiB + 12_345  # three blocks, the last one partial
+RPC_TIMEOUT = 30.0
+RECOVERY_DEADLINE_S = 10.0
+MARKER = "SECRET-MARKER-123456"
+
+Code = grpc.StatusCode
+AccessMode = csi_pb2.VolumeCapability.AccessMode
+
+
+def capability(
+    mode: int = AccessMode.MULTI_NODE_MULTI_WRITER, block: bool = False
+) -> csi_pb2.VolumeCapability:
+    if block:
+        return csi_pb2.VolumeCapability(
+            block=csi_pb2.VolumeCapability.BlockVolume(), access_mode=AccessMode(mode=mode)
+        )
+    return csi_pb2.VolumeCapability(
+        mount=csi_pb2.VolumeCapability.MountVolume(), access_mode=AccessMode(mode=mode)
+    )
+
+
+# Test data
+
+
+@dataclass
+class Dataset:
+    bucket: str
+    prefix: str
+    files: dict[str, bytes]  # relative path -> bytes
+    endpoint_url: str
+    secrets: dict[str, str]
+
+    @property
+    def url(self) -> str:
+        return f"s3://{self.bucket}/{self.prefix}"
+
+    @property
+    def size(self) -> int:
+        return sum(len(v) for v in self.files.values())
+
+    @property
+    def context(self) -> dict[str, str]:
+        return {"source": self.url, "endpointUrl": self.endpoint_url}
+
+    def hashes(self) -> dict[str, str]:
+        return {name: sha256(data) for name, data in self.files.items()}
+
+
+def s3_secrets(server: SeaweedS3) -> dict[str, str]:
+    return {"accessKeyId": server.access_key, "secretAccessKey": server.secret_key}
+
+
+@pytest.fixture
+def dataset(s3_server: SeaweedS3, raw_s3: s3fs.S3FileSystem, bucket: str) -> Dataset:
+    """Random bytes in the bucket: a file spanning three blocks, one of exactly one block, small ones, an
+    empty one, one in a subfolder."""
+    files = {
+        "big.bin": os.urandom(BIG),
+        "block.bin": os.urandom(BLOCK),
+        "small-0.bin": os.urandom(1000),
+        "small-1.bin": os.urandom(65_537),
+        "empty.bin": b"",
+        "sub/nested.bin": os.urandom(300_000),
+    }
+    raw_s3.pipe({f"{bucket}/set/{name}": data for name, data in files.items()})
+    return Dataset(bucket, "set", files, s3_server.endpoint_url, s3_secrets(s3_server))
+
+
+def read_all(root: Path, ds: Dataset) -> dict[str, str]:
+    return {name: sha256((root / name).read_bytes()) for name in ds.files}
+
+
+def assert_exact(root: Path, ds: Dataset) -> None:
+    got = read_all(root, ds)
+    bad = [name for name, digest in ds.hashes().items() if got[name] != digest]
+    assert not bad, f"{root}: these files differ from S3: {bad}"
+
+
+# What the kernel has mounted
+
+
+@dataclass(frozen=True)
+class MountEntry:
+    path: str
+    fstype: str
+    device: str  # major:minor: bind mounts of one FUSE mount share it
+
+
+def mountinfo() -> list[MountEntry]:
+    entries = []
+    with open("/proc/self/mountinfo") as table:
+        for line in table:
+            fields = line.split()
+            dash = fields.index("-")
+            path = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])
+            entries.append(MountEntry(path, fields[dash + 1], fields[2]))
+    return entries
+
+
+def mounts_under(root: Path) -> list[MountEntry]:
+    prefix = str(root).rstrip("/") + "/"
+    return [m for m in mountinfo() if m.path.startswith(prefix)]
+
+
+def mount_stats(path: Path | str) -> dict[str, Any]:
+    """What `pffs stats MOUNTPOINT --json` prints (the same xattr), without a process start."""
+    return json.loads(os.getxattr(path, "user.pffs.stats"))
+
+
+def gets(stats: dict[str, Any]) -> int:
+    return int(stats["backend_requests"]["get"]["requests"])
+
+
+def wait_for(what: str, check: Callable[[], Any], timeout_s: float, interval_s: float = 0.05) -> Any:
+    """Polls `check` until it returns something true (exceptions count as not yet); its last value."""
+    deadline = time.monotonic() + timeout_s
+    last: Any = None
+    while True:
+        try:
+            last = check()
+            if last:
+                return last
+        except Exception as exc:
+            last = exc
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout_s} s (last: {last!r})")
+        time.sleep(interval_s)
+
+
+def wait_cached(path: Path, timeout_s: float = 15) -> None:
+    """Until every block of the file is on the node's disk tier (the write-behind thread has caught up)."""
+    wait_for(f"{path} on disk", lambda: os.getxattr(path, "user.pffs.cached") == b"1.0000", timeout_s)
+
+
+# The plugin process
+
+
+def fds_under(pid: int, root: str) -> bool:
+    try:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                if os.readlink(f"/proc/{pid}/fd/{fd}").startswith(root):
+                    return True
+    except OSError:
+        pass
+    return False
+
+
+def processes_with_files_under(root: Path) -> set[int]:
+    """Processes holding a file under `root` open: our plugins and their mount processes (their logs)."""
+    prefix = str(root).rstrip("/") + "/"
+    return {
+        int(p)
+        for p in os.listdir("/proc")
+        if p.isdigit() and int(p) != os.getpid() and fds_under(int(p), prefix)
+    }
+
+
+def wait_gone(pids: set[int], timeout_s: float) -> set[int]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and any(is_alive(p) for p in pids):
+        time.sleep(0.05)
+    return {p for p in pids if is_alive(p)}
+
+
+@dataclass
+class Plugin:
+    """One `pffs csi --mode all` process (a restart is a new Plugin on the same state dir)."""
+
+    root: Path
+    node_id: str
+    extra: tuple[str, ...]
+    name: str
+    process: subprocess.Popen[bytes] | None = None
+    channel: grpc.Channel | None = None
+    metrics_port: int = 0
+    socket: Path = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.socket = self.root / "csi.sock"
+        if len(str(self.socket)) > 100:  # sun_path holds 108 bytes
+            raise ValueError(f"socket path too long for a unix socket: {self.socket}")
+
+    @property
+    def state_dir(self) -> Path:
+        return self.root / "state"
+
+    @property
+    def cache_dir(self) -> Path:
+        return self.root / "cache"
+
+    @property
+    def log_path(self) -> Path:
+        return self.root / f"{self.name}.log"
+
+    def start(self, timeout_s: float = 30) -> Plugin:
+        self.metrics_port = free_ports(1)[0]
+        args = [
+            sys.executable,
+            "-m",
+            "pffs.cli.main",
+            "csi",
+            "--endpoint",
+            f"unix://{self.socket}",
+            "--node-id",
+            self.node_id,
+            "--mode",
+            "all",
+            "--state-dir",
+            str(self.state_dir),
+            "--cache-dir",
+            str(self.cache_dir),
+            "--cache-size",
+            "1G",
+            "--metrics-port",
+            str(self.metrics_port),
+            *self.extra,
+        ]
+        # Credentials reach the plugin only through CSI secrets: none in its environment.
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "PFFS_"))}
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(
+                args, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env, cwd=self.root
+            )
+        options = [
+            ("grpc.initial_reconnect_backoff_ms", 50),
+            ("grpc.min_reconnect_backoff_ms", 50),
+            ("grpc.max_reconnect_backoff_ms", 200),
+        ]
+        self.channel = grpc.insecure_channel(f"unix://{self.socket}", options=options)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.process.poll() is not None:
+                raise AssertionError(f"pffs csi exited with {self.process.returncode}:\n{self.log()}")
+            try:
+                info = self.identity.GetPluginInfo(
+                    csi_pb2.GetPluginInfoRequest(), timeout=0.5, wait_for_ready=True
+                )
+                assert info.name == "csi.pffs.io"
+                return self
+            except grpc.RpcError:
+                if time.monotonic() > deadline:
+                    raise AssertionError(
+                        f"pffs csi did not answer within {timeout_s} s:\n{self.log()}"
+                    ) from None
+
+    @property
+    def identity(self) -> csi_pb2_grpc.IdentityStub:
+        return csi_pb2_grpc.IdentityStub(self.channel)
+
+    @property
+    def node(self) -> csi_pb2_grpc.NodeStub:
+        return csi_pb2_grpc.NodeStub(self.channel)
+
+    @property
+    def controller(self) -> csi_pb2_grpc.ControllerStub:
+        return csi_pb2_grpc.ControllerStub(self.channel)
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.channel is not None:
+            self.channel.close()
+            self.channel = None
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(sig)
+            try:
+                self.process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=15)
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def state(self) -> dict[str, Any]:
+        return json.loads((self.state_dir / "state.json").read_text())
+
+    def staged(self) -> dict[str, dict[str, Any]]:
+        return self.state()["staged"]
+
+    def metric(self, name: str) -> float:
+        """A sample of the plugin's /metrics (e.g. pffs_csi_recoveries_total); 0 when absent."""
+        import urllib.request
+
+        text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).read()
+        total = 0.0
+        for family in text_string_to_metric_families(text.decode()):
+            for sample in family.samples:
+                if sample.name == name:
+                    total += sample.value
+        return total
+
+    # The calls, with the kubelet's deadline
+
+    def stage(
+        self, volume_id: str, staging: Path, context: dict[str, str], secrets: dict[str, str], **kw: Any
+    ) -> None:
+        self.node.NodeStageVolume(
+            csi_pb2.NodeStageVolumeRequest(
+                volume_id=volume_id,
+                staging_target_path=str(staging),
+                volume_capability=kw.pop("cap", capability()),
+                volume_context=context,
+                secrets=secrets,
+                **kw,
+            ),
+            timeout=RPC_TIMEOUT,
+        )
+
+    def publish(self, volume_id: str, staging: Path, target: Path, readonly: bool = False, **kw: Any) -> None:
+        self.node.NodePublishVolume(
+            csi_pb2.NodePublishVolumeRequest(
+                volume_id=volume_id,
+                staging_target_path=str(staging),
+                target_path=str(target),
+                volume_capability=kw.pop("cap", capability()),
+                readonly=readonly,
+                **kw,
+            ),
+            timeout=RPC_TIMEOUT,
+        )
+
+    def publish_inline(
+        self, volume_id: str, target: Path, context: dict[str, str], secrets: dict[str, str], pod: str
+    ) -> None:
+        context = {
+            **context,
+            "csi.storage.k8s.io/ephemeral": "true",
+            "csi.storage.k8s.io/pod.name": pod,
+            "csi.storage.k8s.io/pod.namespace": "team-a",
+            "csi.storage.k8s.io/pod.uid": f"uid-{pod}",
+            "csi.storage.k8s.io/serviceAccount.name": "default",
+        }
+        self.node.NodePublishVolume(
+            csi_pb2.NodePublishVolumeRequest(
+                volume_id=volume_id,
+                target_path=str(target),
+                volume_capability=capability(AccessMode.SINGLE_NODE_WRITER),
+                volume_context=context,
+                secrets=secrets,
+            ),
+            timeout=RPC_TIMEOUT,
+        )
+
+    def unpublish(self, volume_id: str, target: Path) -> None:
+        self.node.NodeUnpublishVolume(
+            csi_pb2.NodeUnpublishVolumeRequest(volume_id=volume_id, target_path=str(target)),
+            timeout=RPC_TIMEOUT,
+        )
+
+    def unstage(self, volume_id: str, staging: Path) -> None:
+        self.node.NodeUnstageVolume(
+            csi_pb2.NodeUnstageVolumeRequest(volume_id=volume_id, staging_target_path=str(staging)),
+            timeout=RPC_TIMEOUT,
+        )
+
+
+class Plugins:
+    """Starts plugins under one root and, at the end, leaves nothing running or mounted there."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.started: list[Plugin] = []
+
+    def start(self, *extra: str, node_id: str = "n1", verbosity: str = "-v") -> Plugin:
+        plugin = Plugin(self.root, node_id, (*extra, verbosity), f"plugin-{len(self.started) + 1}")
+        self.started.append(plugin)
+        return plugin.start()
+
+    def cleanup(self) -> None:
+        for plugin in self.started:
+            plugin.kill()
+        pids = processes_with_files_under(self.root)
+        for plugin in self.started:
+            with contextlib.suppress(OSError, ValueError, KeyError):
+                pids |= {s["pid"] for s in plugin.staged().values() if s.get("pid")}
+        pids = {p for p in pids if is_alive(p)}
+        for pid in pids:  # SIGTERM: a mount uploads what is pending and unmounts
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+        for pid in wait_gone(pids, 10):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        wait_gone(pids, 10)
+        for _ in range(5):  # deepest first: targets and inline mounts under the state dir
+            left = sorted({m.path for m in mounts_under(self.root)}, key=len, reverse=True)
+            if not left:
+                break
+            for path in left:
+                with contextlib.suppress(OSError):
+                    unmount_all(path)
+                subprocess.run(["umount", "-l", path], capture_output=True, check=False)
+
+
+@pytest.fixture
+def plugins(tmp_path: Path) -> Iterator[Plugins]:
+    factory = Plugins(tmp_path)
+    try:
+        yield factory
+    finally:
+        factory.cleanup()
+
+
+@pytest.fixture
+def plugin(plugins: Plugins) -> Plugin:
+    return plugins.start()
+
+
+def staging_path(root: Path, name: str) -> Path:
+    """Where the kubelet stages: it makes the directory, the plugin mounts on it."""
+    path = root / "kubelet" / "pv" / name / "globalmount"
+    path.mkdir(parents=True)
+    return path
+
+
+def target_path(root: Path, pod: str, name: str = "vol") -> Path:
+    """A pod's target: the kubelet makes its parent, the plugin the directory itself."""
+    path = root / "kubelet" / "pods" / pod / "volumes" / name / "mount"
+    path.parent.mkdir(parents=True)
+    return path
+
+
+def fuse_mounts(root: Path) -> list[MountEntry]:
+    return [m for m in mounts_under(root) if m.fstype == "fuse.pffs"]
+
+
+def mount_processes(plugin: Plugin) -> set[int]:
+    """The pffs mount processes logging into this plugin's state dir (alive)."""
+    logs = str(plugin.state_dir / "logs") + "/"
+    found = set()
+    for p in os.listdir("/proc"):
+        if not p.isdigit():
+            continue
+        try:
+            cmdline = Path(f"/proc/{p}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"pffs.cli.mount_daemon" in cmdline and is_alive(int(p)) and fds_under(int(p), logs):
+            found.add(int(p))
+    return found
+
+
+# 1. One mount per volume, shared by its targets
+
+
+@pytest.mark.timeout(90)
+def test_stage_once_publish_twice_is_one_mount_and_one_get_per_block(
+    plugin: Plugin, dataset: Dataset, tmp_path: Path
+) -> None:
+    staging = staging_path(tmp_path, "pv-1")
+    a, b = target_path(tmp_path, "pod-a"), target_path(tmp_path, "pod-b")
+    plugin.stage("pv-1", staging, dataset.context, dataset.secrets)
+    plugin.publish("pv-1", staging, a)
+    plugin.publish("pv-1", staging, b)
+
+    staged = plugin.staged()
+    assert list(staged) == [str(staging)], staged
+    record = staged[str(staging)]
+    assert set(record["targets"]) == {str(a), str(b)}
+    assert is_alive(record["pid"])
+    assert mount_processes(plugin) == {record["pid"]}
+    at_staging = [m for m in fuse_mounts(tmp_path) if m.path == str(staging)]
+    assert len(at_staging) == 1, mountinfo()
+    # the targets are binds of that one mount (same device), not mounts of their own
+    by_path = {m.path: m for m in mounts_under(tmp_path)}
+    assert by_path[str(a)].device == by_path[str(b)].device == at_staging[0].device
+    assert mount_stats(a)["pid"] == mount_stats(b)["pid"] == record["pid"]
+
+    blocks = math.ceil(BIG / BLOCK)
+    assert sha256((a / "big.bin").read_bytes()) == sha256(dataset.files["big.bin"])
+    stats = json.loads(
+        subprocess.run(
+            [sys.executable, "-m", "pffs.cli.main", "stats", str(staging), "--json"],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=60,
+        ).stdout
+    )
+    assert stats["pid"] == record["pid"]
+    assert gets(stats) == blocks, stats["backend_requests"]
+    assert sha256((b / "big.bin").read_bytes()) == sha256(dataset.files["big.bin"])
+    assert gets(mount_stats(staging)) == blocks, "the second target's read went to S3 again"
+
+    assert_exact(a, dataset)
+    assert_exact(b, dataset)
+    assert_exact(staging, dataset)
+
+    # a repeated stage and publish (the kubelet retries) change nothing
+    plugin.stage("pv-1", staging, dataset.context, dataset.secrets)
+    plugin.publish("pv-1", staging, a)
+    assert plugin.staged()[str(staging)]["pid"] == record["pid"]
+    assert len([m for m in mounts_under(tmp_path) if m.path == str(a)]) == 1
+
+    plugin.unpublish("pv-1", a)
+    plugin.unpublish("pv-1", a)  # idempotent
+    assert not a.exists()
+    assert_exact(b, dataset)
+    plugin.unpublish("pv-1", b)
+    plugin.unstage("pv-1", staging)
+    plugin.unstage("pv-1", staging)  # idempotent
+    assert plugin.staged() == {}
+    assert mounts_under(tmp_path) == []
+    assert wait_gone({record["pid"]}, 10) == set()
+
+
+# 2. Read-only targets
+
+
+@pytest.mark.timeout(90)
+def test_read_only_target_refuses_writes_and_read_write_target_uploads(
+    plugin: Plugin, dataset: Dataset, raw_s3: s3fs.S3FileSystem, tmp_path: Path
+) -> None:
+    staging = staging_path(tmp_path, "pv-rw")
+    rw, ro = target_path(tmp_path, "writer"), target_path(tmp_path, "reader")
+    plugin.stage("pv-rw", staging, dataset.context, dataset.secrets)
+    plugin.publish("pv-rw", staging, rw)
+    plugin.publish("pv-rw", staging, ro, readonly=True)
+
+    for attempt in (
+        lambda: (ro / "new.bin").write_bytes(b"no"),
+        lambda: open(ro / "small-0.bin", "r+b").close(),
+        lambda: (ro / "newdir").mkdir(),
+        lambda: (ro / "small-0.bin").unlink(),
+    ):
+        with pytest.raises(OSError) as caught:
+            attempt()
+        assert caught.value.errno == errno.EROFS, caught.value
+    assert_exact(ro, dataset)
+
+    data = os.urandom(5 * MiB + 3)
+    (rw / "out").mkdir()
+    with open(rw / "out" / "written.bin", "wb") as f:
+        f.write(data)
+    assert sha256(raw_s3.cat(f"{dataset.bucket}/set/out/written.bin")) == sha256(data)
+    assert sha256((ro / "out" / "written.bin").read_bytes()) == sha256(data)
+    assert not raw_s3.exists(f"{dataset.bucket}/set/new.bin")
+
+    # a volume staged with a read-only access mode is read-only in every target
+    staging_ro = staging_path(tmp_path, "pv-ro")
+    target = target_path(tmp_path, "reader-2")
+    reader = capability(AccessMode.MULTI_NODE_READER_ONLY)
+    plugin.stage("pv-ro", staging_ro, dataset.context, dataset.secrets, cap=reader)
+    plugin.publish("pv-ro", staging_ro, target, cap=reader)
+    with pytest.raises(OSError) as caught:
+        (target / "new.bin").write_bytes(b"no")
+    assert caught.value.errno == errno.EROFS
+    assert_exact(target, dataset)
+
+
+# 3. Inline volumes
+
+
+@pytest.mark.timeout(90)
+def test_inline_volumes_of_one_source_share_one_mount_until_the_last_pod_leaves(
+    plugin: Plugin, dataset: Dataset, tmp_path: Path
+) -> None:
+    t1, t2 = target_path(tmp_path, "p1", "data"), target_path(tmp_path, "p2", "data")
+    plugin.publish_inline("csi-aaaa1111", t1, dataset.context, dataset.secrets, "p1")
+    plugin.publish_inline("csi-bbbb2222", t2, dataset.context, dataset.secrets, "p2")
+    assert_exact(t1, dataset)
+    assert_exact(t2, dataset)
+
+    staged = plugin.staged()
+    assert len(staged) == 1, staged
+    ((path, record),) = staged.items()
+    assert record["inline_key"]
+    assert {t: v["volume_id"] for t, v in record["targets"].items()} == {
+        str(t1): "csi-aaaa1111",
+        str(t2): "csi-bbbb2222",
+    }
+    pid = record["pid"]
+    assert mount_processes(plugin) == {pid}
+    assert len([m for m in fuse_mounts(tmp_path) if m.path == path]) == 1
+    assert mount_stats(t1)["pid"] == mount_stats(t2)["pid"] == pid
+
+    plugin.unpublish("csi-aaaa1111", t1)
+    assert not t1.exists()
+    assert is_alive(pid)
+    assert list(plugin.staged()) == [path]
+    assert_exact(t2, dataset)
+
+    plugin.unpublish("csi-bbbb2222", t2)
+    assert plugin.staged() == {}
+    assert wait_gone({pid}, 10) == set(), "the shared mount's process outlived its last pod"
+    assert mounts_under(tmp_path) == [], mounts_under(tmp_path)
+    assert not Path(path).exists()
+    assert list((plugin.state_dir / "secrets").iterdir()) == []
+
+
+# 4. A mount that dies is mounted again in place
+
+
+@pytest.mark.timeout(90)
+def test_kill_9_of_the_mount_process_recovers_within_10_s(
+    plugin: Plugin, dataset: Dataset, tmp_path: Path
+) -> None:
+    staging = staging_path(tmp_path, "pv-rec")
+    a, b = target_path(tmp_path, "pod-a"), target_path(tmp_path, "pod-b")
+    plugin.stage("pv-rec", staging, dataset.context, dataset.secrets)
+    plugin.publish("pv-rec", staging, a)
+    plugin.publish("pv-rec", staging, b, readonly=True)
+    assert_exact(a, dataset)
+    for name in dataset.files:
+        if dataset.files[name]:
+            wait_cached(staging / name)
+    old_pid = plugin.staged()[str(staging)]["pid"]
+
+    os.kill(old_pid, signal.SIGKILL)
+    killed = time.monotonic()
+    assert wait_gone({old_pid}, 5) == set()
+
+    def all_serve() -> bool:
+        for root in (staging, a, b):
+            assert_exact(root, dataset)
+        return True
+
+    wait_for("the volume to serve again", all_serve, RECOVERY_DEADLINE_S, interval_s=0.02)
+    recovery_s = time.monotonic() - killed
+    print(f"\nrecovery after kill -9 of the mount process: {recovery_s:.2f} s")
+    (tmp_path / "recovery.json").write_text(json.dumps({"recovery_s": recovery_s}))
+    assert recovery_s < RECOVERY_DEADLINE_S
+
+    new_pid = plugin.staged()[str(staging)]["pid"]
+    assert new_pid != old_pid and is_alive(new_pid)
+    assert mount_stats(a)["pid"] == mount_stats(b)["pid"] == new_pid
+    assert gets(mount_stats(staging)) == 0, "the new mount fetched from S3 what the node's disk cache held"
+    with pytest.raises(OSError) as caught:
+        (b / "x").write_bytes(b"no")
+    assert caught.value.errno == errno.EROFS, "the read-only target came back read-write"
+    wait_for("one recovery counted", lambda: plugin.metric("pffs_csi_recoveries_total") == 1, 5)
+    assert plugin.metric("pffs_csi_recovery_failures_total") == 0
+    assert len(re.findall(r"mounted \S+ again at", plugin.log())) == 1
+    health = plugin.node.NodeGetVolumeHealth(
+        csi_pb2.NodeGetVolumeHealthRequest(volume_id="pv-rec", volume_publish_path=str(a)),
+        timeout=RPC_TIMEOUT,
+    )
+    assert list(health.volume_health.health_statuses) == []
+
+
+# 5. The plugin itself dies
+
+
+@pytest.mark.timeout(120)
+def test_plugin_sigkill_restart_adopts_healthy_mounts_and_repairs_broken_ones(
+    plugins: Plugins, dataset: Dataset, tmp_path: Path
+) -> None:
+    first = plugins.start()
+    good, bad = staging_path(tmp_path, "pv-good"), staging_path(tmp_path, "pv-bad")
+    good_target, bad_target = target_path(tmp_path, "pod-good"), target_path(tmp_path, "pod-bad")
+    first.stage("pv-good", good, dataset.context, dataset.secrets)
+    first.publish("pv-good", good, good_target)
+    first.stage("pv-bad", bad, dataset.context, dataset.secrets)
+    first.publish("pv-bad", bad, bad_target)
+    assert_exact(good_target, dataset)
+    assert_exact(bad_target, dataset)
+    wait_cached(good / "big.bin")
+    before = first.staged()
+    good_pid, bad_pid = before[str(good)]["pid"], before[str(bad)]["pid"]
+    good_gets = gets(mount_stats(good))
+    assert good_gets >= math.ceil(BIG / BLOCK)
+
+    first.kill(signal.SIGKILL)
+    os.kill(bad_pid, signal.SIGKILL)  # while no plugin watches
+    assert wait_gone({bad_pid}, 5) == set()
+    assert is_alive(good_pid)
+
+    second = plugins.start()
+    after = second.staged()
+    assert after[str(good)]["pid"] == good_pid, "the healthy mount was replaced"
+    assert mount_stats(good)["pid"] == good_pid
+    drop_page_cache()  # the re-read must reach the mount, not just the kernel's pages
+    assert sha256((good_target / "big.bin").read_bytes()) == sha256(dataset.files["big.bin"])
+    assert gets(mount_stats(good)) == good_gets, "re-reading cached data went to S3: a remount?"
+    assert_exact(good_target, dataset)
+    assert "adopted the running mount" in second.log()
+
+    def bad_serves() -> bool:
+        assert_exact(bad, dataset)
+        assert_exact(bad_target, dataset)
+        return True
+
+    wait_for("the broken volume to be repaired", bad_serves, RECOVERY_DEADLINE_S)
+    new_bad = second.staged()[str(bad)]["pid"]
+    assert new_bad != bad_pid and is_alive(new_bad)
+    assert second.staged()[str(good)]["pid"] == good_pid
+    wait_for("one recovery counted", lambda: second.metric("pffs_csi_recoveries_total") == 1, 5)
+    assert mount_processes(second) == {good_pid, new_bad}
+
+    # the restarted plugin still owns both volumes: unpublish and unstage work
+    for vid, staging, target in (("pv-good", good, good_target), ("pv-bad", bad, bad_target)):
+        second.unpublish(vid, target)
+        second.unstage(vid, staging)
+    assert second.staged() == {}
+    assert wait_gone({good_pid, new_bad}, 10) == set()
+    assert mounts_under(tmp_path) == []
+
+
+# 6. Secrets
+
+
+def _proc_hits(needle: bytes) -> dict[int, list[str]]:
+    hits: dict[int, list[str]] = {}
+    for p in os.listdir("/proc"):
+        if not p.isdigit():
+            continue
+        for what in ("cmdline", "environ"):
+            try:
+                data = Path(f"/proc/{p}/{what}").read_bytes()
+            except OSError:
+                continue
+            if needle in data:
+                hits.setdefault(int(p), []).append(what)
+    return hits
+
+
+@pytest.mark.timeout(120)
+def test_secrets_never_reach_argv_environ_logs_or_errors(
+    plugins: Plugins, dataset: Dataset, s3_server: SeaweedS3, tmp_path: Path
+) -> None:
+    plugin = plugins.start(verbosity="-vv")  # debug: every request is logged (secrets stripped)
+    secret = s3_server.secret_key
+    errors: list[grpc.RpcError] = []
+
+    def refused(call: Callable[[], Any], code: grpc.StatusCode, names: str | None = None) -> None:
+        with pytest.raises(grpc.RpcError) as caught:
+            call()
+        errors.append(caught.value)
+        assert caught.value.code() == code, caught.value.details()
+        if names:
+            assert names in caught.value.details()
+
+    # provisioning with the real secret, then with a wrong one
+    params = {"source": f"{dataset.url}/vols", "endpointUrl": dataset.endpoint_url}
+    plugin.controller.CreateVolume(
+        csi_pb2.CreateVolumeRequest(
+            name="pvc-s", volume_capabilities=[capability()], parameters=params, secrets=dataset.secrets
+        ),
+        timeout=RPC_TIMEOUT,
+    )
+    wrong = {"accessKeyId": s3_server.access_key, "secretAccessKey": MARKER}
+    refused(
+        lambda: plugin.controller.CreateVolume(
+            csi_pb2.CreateVolumeRequest(
+                name="pvc-x", volume_capabilities=[capability()], parameters=params, secrets=wrong
+            ),
+            timeout=RPC_TIMEOUT,
+        ),
+        Code.PERMISSION_DENIED,
+    )
+
+    staging = staging_path(tmp_path, "pv-s")
+    target = target_path(tmp_path, "pod-s")
+    plugin.stage("pv-s", staging, dataset.context, dataset.secrets)
+    plugin.publish("pv-s", staging, target)
+    assert_exact(target, dataset)
+    refused(
+        lambda: plugin.stage("pv-w", staging_path(tmp_path, "pv-w"), dataset.context, wrong),
+        Code.PERMISSION_DENIED,
+    )
+    refused(
+        lambda: plugin.stage("pv-u", staging_path(tmp_path, "pv-u"), dataset.context, {"tokenX": MARKER}),
+        Code.INVALID_ARGUMENT,
+        "tokenX",
+    )
+    refused(
+        lambda: plugin.publish_inline("csi-x", target_path(tmp_path, "pod-x"), dataset.context, wrong, "px"),
+        Code.PERMISSION_DENIED,
+    )
+    refused(
+        lambda: plugin.stage(
+            "pv-v", staging_path(tmp_path, "pv-v"), {**dataset.context, "cacheSise": "1G"}, {"tokenY": MARKER}
+        ),
+        Code.INVALID_ARGUMENT,
+    )
+
+    # the recorded credentials: 0600 in a 0700 folder, and they are the real ones
+    secrets_dir = plugin.state_dir / "secrets"
+    assert stat.S_IMODE(secrets_dir.stat().st_mode) == 0o700
+    files = list(secrets_dir.iterdir())
+    assert len(files) == 1, files
+    assert stat.S_IMODE(files[0].stat().st_mode) == 0o600
+    assert json.loads(files[0].read_text())["secretAccessKey"] == secret
+
+    # a repair mounts again with the recorded credentials (through the pipe, as the first mount)
+    old_pid = plugin.staged()[str(staging)]["pid"]
+    os.kill(old_pid, signal.SIGKILL)
+    wait_for("the repaired mount", lambda: assert_exact(target, dataset) is None, RECOVERY_DEADLINE_S)
+    assert plugin.staged()[str(staging)]["pid"] != old_pid
+
+    ours = processes_with_files_under(tmp_path) | {os.getpid()}
+    assert mount_processes(plugin) <= ours and plugin.process is not None and plugin.process.pid in ours
+    for needle in (secret, MARKER):
+        hits = _proc_hits(needle.encode())
+        leaks = {pid: where for pid, where in hits.items() if pid in ours or needle == MARKER}
+        assert not leaks, f"{needle!r} in /proc/PID/(cmdline|environ) of {leaks}"
+        others = set(hits) - set(leaks)
+        if others:
+            print(f"\nnote: processes not started by this test carry the S3 secret: {sorted(others)}")
+        for log in [plugin.log_path, *sorted((plugin.state_dir / "logs").glob("*.log"))]:
+            assert needle not in log.read_text(errors="replace"), f"{needle!r} in {log}"
+        assert needle not in (plugin.state_dir / "state.json").read_text()
+        for error in errors:
+            assert needle not in (error.details() or ""), error.details()
+            assert needle not in str(error)
+    assert "***stripped***" in plugin.log(), "requests were not logged: the log check proves nothing"
+    assert list((plugin.state_dir / "logs").glob("*.log")), "no mount log to check"
+
+    plugin.unpublish("pv-s", target)
+    plugin.unstage("pv-s", staging)
+    assert list(secrets_dir.iterdir()) == []
+
+
+# 7. Malformed requests
+
+
+@dataclass
+class Shared:
+    plugin: Plugin
+    root: Path
+    endpoint_url: str
+    secrets: dict[str, str]
+    bucket: str
+
+    @property
+    def context(self) -> dict[str, str]:
+        return {"source": f"s3://{self.bucket}/set", "endpointUrl": self.endpoint_url}
+
+    def path(self, name: str) -> str:
+        return str(self.root / "paths" / name)
+
+
+@pytest.fixture(scope="module")
+def shared(s3_server: SeaweedS3, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Shared]:
+    """One plugin for the calls that must be refused (none of them should mount anything)."""
+    root = tmp_path_factory.mktemp("csi-shared")
+    raw = s3fs.S3FileSystem(skip_instance_cache=True, use_listings_cache=False, **s3_server.storage_options())
+    bucket = f"csi-shared-{os.urandom(4).hex()}"
+    raw.mkdir(bucket)
+    raw.pipe(f"{bucket}/set/a.bin", b"a" * 100)
+    factory = Plugins(root)
+    try:
+        yield Shared(factory.start(), root, s3_server.endpoint_url, s3_secrets(s3_server), bucket)
+    finally:
+        factory.cleanup()
+        with contextlib.suppress(OSError):
+            raw.rm(bucket, recursive=True)
+
+
+def _stage(s: Shared, **changes: Any) -> tuple[str, Any]:
+    fields = {
+        "volume_id": "pv-m",
+        "staging_target_path": s.path("stage"),
+        "volume_capability": capability(),
+        "volume_context": s.context,
+        "secrets": s.secrets,
+    }
+    fields.update(changes)
+    return "NodeStageVolume", csi_pb2.NodeStageVolumeRequest(
+        **{k: v for k, v in fields.items() if v is not None}
+    )
+
+
+def _publish(s: Shared, **changes: Any) -> tuple[str, Any]:
+    fields = {
+        "volume_id": "pv-m",
+        "staging_target_path": s.path("stage-never"),
+        "target_path": s.path("target"),
+        "volume_capability": capability(),
+    }
+    fields.update(changes)
+    return "NodePublishVolume", csi_pb2.NodePublishVolumeRequest(
+        **{k: v for k, v in fields.items() if v is not None}
+    )
+
+
+def _create(s: Shared, **changes: Any) -> tuple[str, Any]:
+    fields = {
+        "name": "pvc-m",
+        "volume_capabilities": [capability()],
+        "parameters": {"source": f"s3://{s.bucket}/vols", "endpointUrl": s.endpoint_url},
+        "secrets": s.secrets,
+    }
+    fields.update(changes)
+    return "CreateVolume", csi_pb2.CreateVolumeRequest(**{k: v for k, v in fields.items() if v is not None})
+
+
+def _ctx(s: Shared, **changes: str) -> dict[str, str]:
+    return {**s.context, **changes}
+
+
+MALFORMED: list[tuple[str, Callable[[Shared], tuple[str, Any]], grpc.StatusCode, str]] = [
+    ("stage-no-volume-id", lambda s: _stage(s, volume_id=None), Code.INVALID_ARGUMENT, "volume_id"),
+    (
+        "stage-no-staging-path",
+        lambda s: _stage(s, staging_target_path=None),
+        Code.INVALID_ARGUMENT,
+        "staging_target_path",
+    ),
+    (
+        "stage-no-capability",
+        lambda s: _stage(s, volume_capability=None),
+        Code.INVALID_ARGUMENT,
+        "volume_capability",
+    ),
+    (
+        "stage-no-access-mode",
+        lambda s: _stage(s, volume_capability=capability(AccessMode.UNKNOWN)),
+        Code.INVALID_ARGUMENT,
+        "access_mode",
+    ),
+    (
+        "stage-block",
+        lambda s: _stage(s, volume_capability=capability(block=True)),
+        Code.INVALID_ARGUMENT,
+        "block",
+    ),
+    (
+        "stage-ftp-source",
+        lambda s: _stage(s, volume_context=_ctx(s, source="ftp://x")),
+        Code.INVALID_ARGUMENT,
+        "source",
+    ),
+    (
+        "stage-empty-s3-source",
+        lambda s: _stage(s, volume_context=_ctx(s, source="s3://")),
+        Code.INVALID_ARGUMENT,
+        "source",
+    ),
+    (
+        "stage-dotdot-source",
+        lambda s: _stage(s, volume_context=_ctx(s, source=f"s3://{s.bucket}/../x")),
+        Code.INVALID_ARGUMENT,
+        "source",
+    ),
+    (
+        "stage-no-source",
+        lambda s: _stage(s, volume_context={"endpointUrl": s.endpoint_url}),
+        Code.INVALID_ARGUMENT,
+        "source",
+    ),
+    (
+        "stage-unknown-attribute",
+        lambda s: _stage(s, volume_context=_ctx(s, cacheSise="1G")),
+        Code.INVALID_ARGUMENT,
+        "cacheSise",
+    ),
+    (
+        "stage-bad-endpoint",
+        lambda s: _stage(s, volume_context=_ctx(s, endpointUrl="ftp://h")),
+        Code.INVALID_ARGUMENT,
+        "endpointUrl",
+    ),
+    (
+        "stage-bad-size",
+        lambda s: _stage(s, volume_context=_ctx(s, blockSize="lots")),
+        Code.INVALID_ARGUMENT,
+        "blockSize",
+    ),
+    (
+        "stage-half-key-pair",
+        lambda s: _stage(s, secrets={"accessKeyId": "k"}),
+        Code.INVALID_ARGUMENT,
+        "secretAccessKey",
+    ),
+    (
+        "stage-dotdot-path",
+        lambda s: _stage(s, staging_target_path="/tmp/../etc"),
+        Code.INVALID_ARGUMENT,
+        "staging_target_path",
+    ),
+    (
+        "stage-relative-path",
+        lambda s: _stage(s, staging_target_path="a/b"),
+        Code.INVALID_ARGUMENT,
+        "staging_target_path",
+    ),
+    (
+        "stage-nul-path",
+        lambda s: _stage(s, staging_target_path=s.path("x\0y")),
+        Code.INVALID_ARGUMENT,
+        "staging_target_path",
+    ),
+    ("stage-volume-id-dotdot", lambda s: _stage(s, volume_id="../x"), Code.INVALID_ARGUMENT, "volume_id"),
+    ("stage-volume-id-absolute", lambda s: _stage(s, volume_id="/abs"), Code.INVALID_ARGUMENT, "volume_id"),
+    (
+        "stage-missing-prefix",
+        lambda s: _stage(s, volume_context=_ctx(s, source=f"s3://{s.bucket}/nope")),
+        Code.NOT_FOUND,
+        "nope",
+    ),
+    (
+        "stage-missing-bucket",
+        lambda s: _stage(s, volume_context=_ctx(s, source="s3://pffs-no-such-bucket-4711/x")),
+        Code.NOT_FOUND,
+        "pffs-no-such-bucket-4711",
+    ),
+    (
+        "stage-object-not-prefix",
+        lambda s: _stage(s, volume_context=_ctx(s, source=f"s3://{s.bucket}/set/a.bin")),
+        Code.INVALID_ARGUMENT,
+        "a.bin",
+    ),
+    ("publish-no-target", lambda s: _publish(s, target_path=None), Code.INVALID_ARGUMENT, "target_path"),
+    ("publish-no-volume-id", lambda s: _publish(s, volume_id=None), Code.INVALID_ARGUMENT, "volume_id"),
+    (
+        "publish-no-capability",
+        lambda s: _publish(s, volume_capability=None),
+        Code.INVALID_ARGUMENT,
+        "volume_capability",
+    ),
+    (
+        "publish-block",
+        lambda s: _publish(s, volume_capability=capability(block=True)),
+        Code.INVALID_ARGUMENT,
+        "block",
+    ),
+    (
+        "publish-dotdot-target",
+        lambda s: _publish(s, target_path="/tmp/../etc"),
+        Code.INVALID_ARGUMENT,
+        "target_path",
+    ),
+    (
+        "publish-relative-target",
+        lambda s: _publish(s, target_path="a/b"),
+        Code.INVALID_ARGUMENT,
+        "target_path",
+    ),
+    (
+        "publish-nul-target",
+        lambda s: _publish(s, target_path=s.path("t\0x")),
+        Code.INVALID_ARGUMENT,
+        "target_path",
+    ),
+    ("publish-volume-id-dotdot", lambda s: _publish(s, volume_id="../x"), Code.INVALID_ARGUMENT, "volume_id"),
+    (
+        "publish-no-staging-path",
+        lambda s: _publish(s, staging_target_path=None),
+        Code.FAILED_PRECONDITION,
+        "staging_target_path",
+    ),
+    ("publish-not-staged", lambda s: _publish(s), Code.FAILED_PRECONDITION, "NodeStageVolume"),
+    (
+        "publish-inline-ftp-source",
+        lambda s: _publish(
+            s,
+            staging_target_path=None,
+            volume_context={"source": "ftp://x", "csi.storage.k8s.io/ephemeral": "true"},
+        ),
+        Code.INVALID_ARGUMENT,
+        "source",
+    ),
+    (
+        "unpublish-no-target",
+        lambda s: ("NodeUnpublishVolume", csi_pb2.NodeUnpublishVolumeRequest(volume_id="pv-m")),
+        Code.INVALID_ARGUMENT,
+        "target_path",
+    ),
+    (
+        "unpublish-no-volume-id",
+        lambda s: ("NodeUnpublishVolume", csi_pb2.NodeUnpublishVolumeRequest(target_path=s.path("t"))),
+        Code.INVALID_ARGUMENT,
+        "volume_id",
+    ),
+    (
+        "unstage-no-staging-path",
+        lambda s: ("NodeUnstageVolume", csi_pb2.NodeUnstageVolumeRequest(volume_id="pv-m")),
+        Code.INVALID_ARGUMENT,
+        "staging_target_path",
+    ),
+    (
+        "unstage-dotdot-path",
+        lambda s: (
+            "NodeUnstageVolume",
+            csi_pb2.NodeUnstageVolumeRequest(volume_id="pv-m", staging_target_path="/var/../etc"),
+        ),
+        Code.INVALID_ARGUMENT,
+        "staging_target_path",
+    ),
+    ("create-no-name", lambda s: _create(s, name=None), Code.INVALID_ARGUMENT, "name"),
+    ("create-slash-name", lambda s: _create(s, name="a/b"), Code.INVALID_ARGUMENT, "name"),
+    ("create-dotdot-name", lambda s: _create(s, name=".."), Code.INVALID_ARGUMENT, "name"),
+    (
+        "create-no-capabilities",
+        lambda s: _create(s, volume_capabilities=None),
+        Code.INVALID_ARGUMENT,
+        "volume_capabilities",
+    ),
+    (
+        "create-block",
+        lambda s: _create(s, volume_capabilities=[capability(block=True)]),
+        Code.INVALID_ARGUMENT,
+        "block",
+    ),
+    (
+        "create-unknown-parameter",
+        lambda s: _create(s, parameters={"source": f"s3://{s.bucket}/v", "cacheSise": "1G"}),
+        Code.INVALID_ARGUMENT,
+        "cacheSise",
+    ),
+    (
+        "create-bad-source",
+        lambda s: _create(s, parameters={"source": "ftp://x"}),
+        Code.INVALID_ARGUMENT,
+        "source",
+    ),
+    (
+        "delete-no-volume-id",
+        lambda s: ("DeleteVolume", csi_pb2.DeleteVolumeRequest()),
+        Code.INVALID_ARGUMENT,
+        "volume_id",
+    ),
+]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("build", "code", "names"), [c[1:] for c in MALFORMED], ids=[c[0] for c in MALFORMED]
+)
+def test_malformed_request_gets_its_code_and_names_the_field(
+    shared: Shared, build: Callable[[Shared], tuple[str, Any]], code: grpc.StatusCode, names: str
+) -> None:
+    method, request = build(shared)
+    stub = shared.plugin.controller if method in ("CreateVolume", "DeleteVolume") else shared.plugin.node
+    with pytest.raises(grpc.RpcError) as caught:
+        getattr(stub, method)(request, timeout=RPC_TIMEOUT)
+    error = caught.value
+    assert error.code() == code, f"{error.code()}: {error.details()}"
+    assert names in (error.details() or ""), error.details()
+    assert fuse_mounts(shared.root) == [], "a refused call left a mount"
+    if (shared.plugin.state_dir / "state.json").exists():
+        assert shared.plugin.staged() == {}
+
+
+# 8. Controller
+
+
+@pytest.mark.timeout(90)
+def test_controller_create_is_idempotent_and_delete_follows_on_delete(
+    plugin: Plugin, dataset: Dataset, raw_s3: s3fs.S3FileSystem, tmp_path: Path
+) -> None:
+    base = f"{dataset.bucket}/vols"
+    params = {"source": f"s3://{base}", "endpointUrl": dataset.endpoint_url}
+
+    def create(name: str, capacity: int, **extra: str) -> csi_pb2.Volume:
+        return plugin.controller.CreateVolume(
+            csi_pb2.CreateVolumeRequest(
+                name=name,
+                capacity_range=csi_pb2.CapacityRange(required_bytes=capacity),
+                volume_capabilities=[capability()],
+                parameters={**params, **extra},
+                secrets=dataset.secrets,
+            ),
+            timeout=RPC_TIMEOUT,
+        ).volume
+
+    def delete(volume_id: str) -> None:
+        plugin.controller.DeleteVolume(
+            csi_pb2.DeleteVolumeRequest(volume_id=volume_id, secrets=dataset.secrets), timeout=RPC_TIMEOUT
+        )
+
+    # onDelete: delete, through the whole life of a volume
+    doomed = create("pvc-del", 1 << 30, onDelete="delete")
+    again = create("pvc-del", 1 << 30, onDelete="delete")
+    assert again.volume_id == doomed.volume_id and again.volume_context == doomed.volume_context
+    assert doomed.capacity_bytes == 1 << 30
+    assert doomed.volume_context["source"] == f"s3://{base}/pvc-del"
+    with pytest.raises(grpc.RpcError) as caught:
+        create("pvc-del", 2 << 30, onDelete="delete")
+    assert caught.value.code() == Code.ALREADY_EXISTS, caught.value.details()
+    assert "pvc-del" in caught.value.details()
+
+    staging, target = staging_path(tmp_path, "pvc-del"), target_path(tmp_path, "pod-del")
+    plugin.stage(doomed.volume_id, staging, dict(doomed.volume_context), dataset.secrets)
+    plugin.publish(doomed.volume_id, staging, target)
+    data = os.urandom(MiB + 1)
+    (target / "model.ckpt").write_bytes(data)
+    (target / "logs").mkdir()
+    (target / "logs" / "run.txt").write_bytes(b"epoch 1\n")
+    assert sha256(raw_s3.cat(f"{base}/pvc-del/model.ckpt")) == sha256(data)
+    plugin.unpublish(doomed.volume_id, target)
+    plugin.unstage(doomed.volume_id, staging)
+    delete(doomed.volume_id)
+    raw_s3.invalidate_cache()
+    # SeaweedFS's filer keeps an emptied folder as a prefix; no object may be left in it
+    left = raw_s3.find(f"{base}/pvc-del", detail=True)
+    assert [k for k, v in left.items() if v["type"] != "directory"] == []
+    delete(doomed.volume_id)  # idempotent
+
+    # default: retain
+    kept = create("pvc-keep", 0)
+    raw_s3.pipe(f"{base}/pvc-keep/x.bin", data)
+    delete(kept.volume_id)
+    assert sha256(raw_s3.cat(f"{base}/pvc-keep/x.bin")) == sha256(data)
+    assert raw_s3.exists(f"{base}/pvc-keep/.pffs-volume.json")
+
+    # ids this driver did not make, or prefixes it did not provision: OK, nothing removed
+    raw_s3.pipe(f"{base}/foreign/y.bin", data)
+    foreign_id = doomed.volume_id.replace("pvc-del", "foreign")
+    assert foreign_id != doomed.volume_id
+    delete(foreign_id)
+    assert raw_s3.cat(f"{base}/foreign/y.bin") == data
+    delete("not-a-pffs-volume")
+    delete(doomed.volume_id.replace("pvc-del", "never-created"))
+    assert sha256(dataset.files["big.bin"]) == sha256(raw_s3.cat(f"{dataset.bucket}/set/big.bin"))
+
+
+# 9. The node's cache report
+
+
+class FakeApiServer:
+    """The two Node endpoints the plugin uses, over real HTTP as the API server speaks them: GET a Node, and
+    PATCH it with a merge patch (a JSON Patch must be a list). Records every request."""
+
+    TOKEN = "csi-test-token"
+
+    def __init__(self, node_name: str) -> None:
+        self.node = {
+            "apiVersion": "v1",
+            "kind": "Node",
+            "metadata": {
+                "name": node_name,
+                "labels": {"topology.kubernetes.io/zone": "zone-a", "pffs.io/tor": "tor-7"},
+                "annotations": {},
+            },
+        }
+        self.requests: list[tuple[str, str, str, Any]] = []  # method, path, content type, body
+        self.lock = threading.Lock()
+        handler = type("Handler", (_ApiHandler,), {"api": self})
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True)
+
+    def annotations(self) -> list[str]:
+        """The cache annotation of each accepted PATCH, in order."""
+        with self.lock:
+            return [
+                body["metadata"]["annotations"][CACHE_ANNOTATION]
+                for method, _, ctype, body in self.requests
+                if method == "PATCH" and ctype.endswith("merge-patch+json")
+            ]
+
+
+class _ApiHandler(BaseHTTPRequestHandler):
+    api: FakeApiServer
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+    def _send(self, code: int, payload: Any) -> None:
+        data = json.dumps(payload).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _status(self, code: int, reason: str) -> None:
+        self._send(
+            code, {"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": reason, "code": code}
+        )
+
+    def _handle(self, method: str) -> None:
+        length = int(self.headers.get("Content-Length") or 0)
+        raw = self.rfile.read(length) if length else b""
+        body = json.loads(raw) if raw else None
+        ctype = self.headers.get("Content-Type", "")
+        api = self.api
+        with api.lock:
+            api.requests.append((method, self.path, ctype, body))
+            if self.headers.get("Authorization") != f"Bearer {api.TOKEN}":
+                return self._status(401, "Unauthorized")
+            name = api.node["metadata"]["name"]
+            if self.path.split("?")[0] != f"/api/v1/nodes/{name}":
+                return self._status(404, "NotFound")
+            if method == "GET":
+                return self._send(200, api.node)
+            if ctype == "application/json-patch+json" and not isinstance(body, list):
+                return self._status(400, "BadRequest")
+            if not ctype.endswith("merge-patch+json") or not isinstance(body, dict):
+                return self._status(415, "UnsupportedMediaType")
+            api.node["metadata"]["annotations"].update(body.get("metadata", {}).get("annotations", {}))
+            return self._send(200, api.node)
+
+    def do_GET(self) -> None:
+        self._handle("GET")
+
+    def do_PATCH(self) -> None:
+        self._handle("PATCH")
+
+
+def write_kubeconfig(path: Path, server: str, token: str) -> Path:
+    path.write_text(
+        f"""apiVersion: v1
+kind: Config
+current-context: test
+clusters:
+- name: fake
+  cluster: {{server: "{server}"}}
+contexts:
+- name: test
+  context: {{cluster: fake, user: csi}}
+users:
+- name: csi
+  user: {{token: {token}}}
+"""
+    )
+    return path
+
+
+@pytest.fixture
+def apiserver() -> Iterator[FakeApiServer]:
+    api = FakeApiServer("n1")
+    api.thread.start()
+    try:
+        yield api
+    finally:
+        api.server.shutdown()
+        api.server.server_close()
+        api.thread.join(timeout=10)
+
+
+@pytest.mark.timeout(90)
+def test_cache_report_reaches_the_node_annotation_fake_apiserver(
+    plugins: Plugins, apiserver: FakeApiServer, dataset: Dataset, tmp_path: Path
+) -> None:
+    kubeconfig = write_kubeconfig(tmp_path / "kubeconfig", apiserver.url, apiserver.TOKEN)
+    plugin = plugins.start("--kubeconfig", str(kubeconfig), "--report-interval", "1")
+    info = plugin.node.NodeGetInfo(csi_pb2.NodeGetInfoRequest(), timeout=RPC_TIMEOUT)
+    assert info.node_id == "n1"
+    assert dict(info.accessible_topology.segments) == {
+        "topology.pffs.io/node": "n1",
+        "topology.pffs.io/zone": "zone-a",  # from the Node's labels
+        "topology.pffs.io/tor": "tor-7",
+    }
+
+    staging, target = staging_path(tmp_path, "pv-rep"), target_path(tmp_path, "pod-rep")
+    plugin.stage("pv-rep", staging, {**dataset.context, "prefetchDirs": "false"}, dataset.secrets)
+    plugin.publish("pv-rep", staging, target)
+    read = ["big.bin", "small-1.bin"]
+    for name in read:
+        assert sha256((target / name).read_bytes()) == sha256(dataset.files[name])
+    expected_cached = sum(len(dataset.files[n]) for n in read)
+
+    def reported() -> Any:
+        for value in reversed(apiserver.annotations()):
+            entry = (node_cache({"metadata": {"annotations": {CACHE_ANNOTATION: value}}}) or {}).get(
+                dataset.url
+            )
+            if entry is not None and entry.cached_bytes == expected_cached:
+                return entry
+        return None
+
+    entry = wait_for("the cache report with what was read", reported, 20, interval_s=0.2)
+    assert entry.total_bytes == dataset.size
+    with apiserver.lock:
+        patches = [(path, ctype) for method, path, ctype, _ in apiserver.requests if method == "PATCH"]
+    assert {path for path, _ in patches} == {"/api/v1/nodes/n1"}
+    report = json.loads(apiserver.annotations()[-1])
+    assert report["capacity_bytes"] == 1 << 30
+    assert report["used_bytes"] >= expected_cached
+    assert plugin.metric("pffs_csi_cache_report_failures_total") == 0
+
+
+@pytest.mark.timeout(90)
+def test_unreachable_api_server_never_holds_csi_calls_and_is_logged_once(
+    plugins: Plugins, dataset: Dataset, tmp_path: Path
+) -> None:
+    closed = free_ports(1)[0]  # nothing listens there
+    kubeconfig = write_kubeconfig(tmp_path / "kubeconfig", f"http://127.0.0.1:{closed}", "t")
+    started = time.monotonic()
+    plugin = plugins.start("--kubeconfig", str(kubeconfig), "--report-interval", "1")
+    assert time.monotonic() - started < 15, "startup waited on the API server"
+
+    staging, target = staging_path(tmp_path, "pv-down"), target_path(tmp_path, "pod-down")
+    for call in (
+        lambda: plugin.stage("pv-down", staging, dataset.context, dataset.secrets),
+        lambda: plugin.publish("pv-down", staging, target),
+        lambda: plugin.node.NodeGetInfo(csi_pb2.NodeGetInfoRequest(), timeout=RPC_TIMEOUT),
+    ):
+        t0 = time.monotonic()
+        call()
+        assert time.monotonic() - t0 < 5
+    assert_exact(target, dataset)
+    wait_for(
+        "two failed reports", lambda: plugin.metric("pffs_csi_cache_report_failures_total") >= 2, 30, 0.2
+    )
+    t0 = time.monotonic()
+    plugin.node.NodeGetVolumeStats(
+        csi_pb2.NodeGetVolumeStatsRequest(volume_id="pv-down", volume_path=str(target)), timeout=RPC_TIMEOUT
+    )
+    assert time.monotonic() - t0 < 2
+    failures = [line for line in plugin.log().splitlines() if "cache report: could not write it" in line]
+    assert len(failures) == 1, failures
+
+
+# Races and odd paths (each of these found a bug; see the messages)
+
+
+def retry_aborted(call: Callable[..., Any], *args: Any, timeout_s: float = 20) -> Any:
+    """As the kubelet does: ABORTED (another operation on the volume is in progress) is retried."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return call(*args)
+        except grpc.RpcError as exc:
+            if exc.code() != Code.ABORTED or time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
+def log_count(plugin: Plugin, text: str) -> int:
+    return plugin.log().count(text)
+
+
+@pytest.mark.timeout(90)
+def test_publish_onto_a_dead_mount_repairs_it_once_not_twice(
+    plugins: Plugins, dataset: Dataset, tmp_path: Path
+) -> None:
+    """NodePublishVolume finds the mount dead and repairs it while the supervisor (every 50 ms here) does
+    too: there must still be one mount process and one FUSE mount at the staging path."""
+    plugin = plugins.start("--check-interval", "0.05")
+    staging = staging_path(tmp_path, "pv-race")
+    plugin.stage("pv-race", staging, dataset.context, dataset.secrets)
+    for i in range(2):
+        old = plugin.staged()[str(staging)]["pid"]
+        os.kill(old, signal.SIGKILL)
+        target = target_path(tmp_path, f"pod-{i}")
+        plugin.publish("pv-race", staging, target)
+
+        def one_mount() -> bool:
+            pid = plugin.staged()[str(staging)]["pid"]
+            at_staging = [m for m in fuse_mounts(tmp_path) if m.path == str(staging)]
+            return mount_processes(plugin) == {pid} and len(at_staging) == 1
+
+        try:
+            wait_for("one mount process and one mount at the staging path", one_mount, 10)
+        except AssertionError:
+            pytest.fail(
+                f"round {i}: mount processes {sorted(mount_processes(plugin))} (recorded: "
+                f"{plugin.staged()[str(staging)]['pid']}), FUSE mounts at the staging path: "
+                f"{len([m for m in fuse_mounts(tmp_path) if m.path == str(staging)])}; repairs started "
+                f"{log_count(plugin, 'mounting it again')}: NodePublishVolume repaired the dead mount "
+                "without the staging path's lock, concurrently with the supervisor"
+            )
+        deadline = time.monotonic() + 1.0  # and it stays so for 20 supervisor rounds
+        while time.monotonic() < deadline:
+            assert one_mount()
+            time.sleep(0.05)
+        assert_exact(target, dataset)
+    for i in range(2):
+        plugin.unpublish("pv-race", tmp_path / "kubelet" / "pods" / f"pod-{i}" / "volumes" / "vol" / "mount")
+    plugin.unstage("pv-race", staging)
+    assert wait_for("no mount process left", lambda: not mount_processes(plugin), 10)
+
+
+@pytest.mark.timeout(90)
+def test_last_inline_unpublish_does_not_race_the_supervisor(
+    plugins: Plugins, dataset: Dataset, tmp_path: Path
+) -> None:
+    """The last pod's NodeUnpublishVolume stops the shared inline mount; the supervisor (every 50 ms here)
+    must not take the stopping mount for a dead one and start it again meanwhile."""
+    plugin = plugins.start("--check-interval", "0.05")
+    for i in range(3):
+        target = target_path(tmp_path, f"p{i}", "data")
+        retry_aborted(
+            plugin.publish_inline, f"csi-{i:08d}", target, dataset.context, dataset.secrets, f"p{i}"
+        )
+        assert_exact(target, dataset)
+        plugin.unpublish(f"csi-{i:08d}", target)
+        assert plugin.staged() == {}
+    assert wait_for("no mount process left", lambda: not mount_processes(plugin), 10)
+    assert mounts_under(tmp_path) == []
+    repairs = [line for line in plugin.log().splitlines() if "mounting it again" in line]
+    assert repairs == [], "the supervisor repaired an inline mount that its last unpublish was stopping"
+    assert plugin.metric("pffs_csi_recovery_failures_total") == 0
+
+
+@pytest.mark.timeout(90)
+def test_a_repair_that_fails_is_logged_with_its_reason(
+    plugin: Plugin, dataset: Dataset, raw_s3: s3fs.S3FileSystem, tmp_path: Path
+) -> None:
+    """The source is gone (bucket deleted) when the mount dies: every repair fails. The operator must find
+    why in the plugin's log, and the volume reports INACCESSIBLE."""
+    staging = staging_path(tmp_path, "pv-gone")
+    target = target_path(tmp_path, "pod-gone")
+    plugin.stage("pv-gone", staging, dataset.context, dataset.secrets)
+    plugin.publish("pv-gone", staging, target)
+    assert_exact(target, dataset)
+    raw_s3.rm(dataset.bucket, recursive=True)
+    os.kill(plugin.staged()[str(staging)]["pid"], signal.SIGKILL)
+    wait_for("a failed repair", lambda: plugin.metric("pffs_csi_recovery_failures_total") >= 1, 15, 0.1)
+    health = plugin.node.NodeGetVolumeHealth(
+        csi_pb2.NodeGetVolumeHealthRequest(volume_id="pv-gone", volume_publish_path=str(target)),
+        timeout=RPC_TIMEOUT,
+    )
+    assert [s.status for s in health.volume_health.health_statuses] == [csi_pb2.INACCESSIBLE]
+    try:
+        wait_for(
+            "the reason of the failed repair in the plugin's log",
+            lambda: f"could not repair the mount at {staging}" in plugin.log(),
+            5,
+            0.1,
+        )
+    except AssertionError:
+        tail = "\n".join(plugin.log().splitlines()[-6:])
+        pytest.fail(f"no line says why the remount failed; the log ends:\n{tail}")
+
+
+@pytest.mark.timeout(60)
+def test_paths_with_spaces_and_non_ascii_letters_stay_mounted(
+    plugin: Plugin, dataset: Dataset, tmp_path: Path
+) -> None:
+    """/proc/self/mountinfo writes a space as \\040 and a non-ASCII letter as its UTF-8 bytes: a path with
+    both must still be recognized as mounted, or the supervisor remounts a healthy volume every round."""
+    staging = tmp_path / "kubelet" / "pv" / "données brutes" / "globalmount"
+    staging.mkdir(parents=True)
+    target = tmp_path / "kubelet" / "pods" / "pod é 1" / "vol" / "mount"
+    target.parent.mkdir(parents=True)
+    plugin.stage("pv-utf8", staging, dataset.context, dataset.secrets)
+    plugin.publish("pv-utf8", staging, target)
+    assert_exact(target, dataset)
+    pid = plugin.staged()[str(staging)]["pid"]
+    deadline = time.monotonic() + 3.0  # three supervisor rounds
+    while time.monotonic() < deadline:
+        now = plugin.staged()[str(staging)]["pid"]
+        assert now == pid, (
+            f"the healthy mount (pid {pid}) was mounted again (pid {now}): the plugin does not see the "
+            "path in /proc/self/mountinfo; repairs so far: "
+            f"{plugin.log().count('mounting it again')}"
+        )
+        time.sleep(0.1)
+    assert plugin.metric("pffs_csi_recoveries_total") == 0
+    plugin.node.NodeGetVolumeStats(
+        csi_pb2.NodeGetVolumeStatsRequest(volume_id="pv-utf8", volume_path=str(target)), timeout=RPC_TIMEOUT
+    )
+    assert_exact(target, dataset)
+
+
+@pytest.mark.timeout(60)
+def test_unstage_after_the_state_file_was_lost_stops_the_mount_and_forgets_its_credentials(
+    plugins: Plugins, dataset: Dataset, tmp_path: Path
+) -> None:
+    """A plugin that finds its state file unreadable starts empty; the kubelet's unpublish and unstage must
+    still leave nothing mounted, no mount process, and no credentials file behind."""
+    first = plugins.start()
+    staging, target = staging_path(tmp_path, "pv-lost"), target_path(tmp_path, "pod-lost")
+    first.stage("pv-lost", staging, dataset.context, dataset.secrets)
+    first.publish("pv-lost", staging, target)
+    pid = first.staged()[str(staging)]["pid"]
+    first.kill()
+    (first.state_dir / "state.json").write_text("{not json")
+
+    second = plugins.start()
+    assert (second.state_dir / "state.broken").exists()
+    assert_exact(target, dataset)  # the mount still serves
+    second.unpublish("pv-lost", target)
+    second.unstage("pv-lost", staging)
+    assert wait_gone({pid}, 10) == set()
+    assert mounts_under(tmp_path) == []
+    left = list((second.state_dir / "secrets").iterdir())
+    assert left == [], f"credentials of an unstaged volume kept on disk: {left}"
