@@ -17,13 +17,13 @@ from __future__ import annotations
 import datetime
 import json
 import logging
-import threading
 from collections.abc import Callable
 from typing import Any
 
 from pffs.backends.urls import open_backend
 from pffs.csi.attributes import backend_options, parse_attributes, parse_credentials
 from pffs.csi.metrics import PluginMetrics
+from pffs.csi.periodic import Periodic
 from pffs.csi.volumes import VolumeManager
 from pffs.scheduler.locality import CACHE_ANNOTATION, normalize_dataset
 from pffs.vfs import Vfs
@@ -107,23 +107,16 @@ class CacheReporter:
         self.metrics = metrics
         self.interval_s = interval_s
         self.where = where
-        self._stop = threading.Event()
         self._last: str | None = None
         self._failing = False
         self._backoff = interval_s
-        self._thread = threading.Thread(target=self._run, name="cache-report", daemon=True)
+        self._rounds = Periodic("cache-report", self.report_once, interval_s, min(5.0, interval_s))
 
     def start(self) -> None:
-        self._thread.start()
+        self._rounds.start()
 
     def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-
-    def _run(self) -> None:
-        delay = min(5.0, self.interval_s)
-        while not self._stop.wait(delay):
-            delay = self.report_once()
+        self._rounds.stop(timeout_s=5)
 
     def report_once(self) -> float:
         """Measures and publishes if changed; returns the seconds until the next round."""

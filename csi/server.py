@@ -22,6 +22,7 @@ from pffs.csi.controller import ControllerServicer
 from pffs.csi.identity import DRIVER_NAME, IdentityServicer
 from pffs.csi.metrics import PluginMetrics
 from pffs.csi.node import NodeServicer
+from pffs.csi.periodic import Periodic
 from pffs.csi.volumes import NodeConfig, VolumeManager
 
 log = logging.getLogger(__name__)
@@ -64,30 +65,6 @@ def grpc_address(endpoint: str) -> tuple[str, str | None]:
     return f"unix://{path}", path
 
 
-class Supervisor:
-    """A thread that checks the node's mounts every interval and repairs dead ones."""
-
-    def __init__(self, volumes: VolumeManager, interval_s: float) -> None:
-        self.volumes = volumes
-        self.interval_s = interval_s
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="supervisor", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=10)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            try:
-                self.volumes.check()
-            except Exception:
-                log.exception("supervisor round failed")
-
-
 def kubernetes_api(options: PluginOptions) -> Any | None:
     """A CoreV1Api from the pod's service account or a kubeconfig (exec plugins and all, through the
     official client); None where neither is given (outside a cluster)."""
@@ -126,7 +103,7 @@ class Plugin:
         self.address, self.socket_path = grpc_address(options.endpoint)
         self.metrics = PluginMetrics()
         self.volumes: VolumeManager | None = None
-        self.supervisor: Supervisor | None = None
+        self.supervisor: Periodic | None = None
         self.reporter: Any = None
         self.server = grpc.server(concurrent.futures.ThreadPoolExecutor(16, thread_name_prefix="csi-rpc"))
         serve_node = options.mode in ("node", "all")
@@ -158,7 +135,8 @@ class Plugin:
         self.volumes = VolumeManager(config, self.metrics)
         self.volumes.adopt()
         csi_pb2_grpc.add_NodeServicer_to_server(NodeServicer(self.volumes, self.metrics), self.server)
-        self.supervisor = Supervisor(self.volumes, options.check_interval_s)
+        # Checks every mount and repairs the dead ones.
+        self.supervisor = Periodic("supervisor", self.volumes.check, options.check_interval_s)
         if api is not None:
             from pffs.csi.cache_report import CacheReporter, NodeAnnotation
 
