@@ -1,10 +1,14 @@
-"""Helpers shared by the tests: reference bytes, hashes, a pffs filesystem on a test cache."""
+"""Helpers shared by the tests: reference bytes, hashes, a pffs filesystem on a test cache, a fake HTTP
+server (the Kubernetes API's stand-in) and a kubeconfig that reaches it."""
 
 from __future__ import annotations
 
 import hashlib
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import fsspec
 import numpy as np
@@ -31,3 +35,59 @@ def pffs_fs(target: str, cache_dir: Path, **options: Any) -> Any:
 def server_options(server: Any) -> dict[str, Any]:
     """pffs keyword arguments that reach a SeaweedS3 server."""
     return {"endpoint_url": server.endpoint_url, "key": server.access_key, "secret": server.secret_key}
+
+
+class JsonHandler(BaseHTTPRequestHandler):
+    """A quiet HTTP/1.1 handler of a `FakeHttpServer` (its `api`) that reads and answers JSON: a GET, POST or
+    PATCH goes to `_handle(method)`."""
+
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+    def _handle(self, method: str) -> None:
+        raise NotImplementedError
+
+    def do_GET(self) -> None:
+        self._handle("GET")
+
+    def do_POST(self) -> None:
+        self._handle("POST")
+
+    def do_PATCH(self) -> None:
+        self._handle("PATCH")
+
+    def _body(self) -> Any:
+        """The request's JSON body, None without one."""
+        length = int(self.headers.get("Content-Length") or 0)
+        return json.loads(self.rfile.read(length)) if length else None
+
+    def _send(self, code: int, payload: Any) -> None:
+        data = json.dumps(payload).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+class FakeHttpServer:
+    """An HTTP server on a free local port, in a thread of its own while in a `with` block, whose requests
+    `handler` answers with this object as its `api`. `lock` guards what the handler and the test share."""
+
+    def __init__(self, handler: type[JsonHandler]) -> None:
+        self.lock = threading.Lock()
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), type("Handler", (handler,), {"api": self}))
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True)
+
+    def __enter__(self) -> Self:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(timeout=10)

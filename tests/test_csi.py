@@ -2,9 +2,9 @@
 kubelet and the external-provisioner call it, mounting through /dev/fuse over the SeaweedFS S3 server.
 Every data path is checked byte for byte (sha256) against what is stored in S3.
 
-Each test's plugin has its own state dir and cache dir under the test's tmp dir. Teardown kills the
-plugin, stops every mount process it recorded (or that logs under the tmp dir) and unmounts everything
-mounted under the tmp dir, whatever state the test left.
+Each test's plugin (pffs.testing.csi_plugin.CsiPlugin) has its own state dir and cache dir under the
+test's tmp dir. Teardown stops the plugin, stops every mount process it recorded (or that logs under the
+tmp dir) and unmounts everything mounted under the tmp dir, whatever state the test left.
 """
 
 from __future__ import annotations
@@ -19,25 +19,23 @@ import signal
 import stat
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
 import s3fs
-from helpers import sha256
+from helpers import FakeHttpServer, JsonHandler, sha256
 from mounts import drop_page_cache
-from prometheus_client.parser import text_string_to_metric_families
 
-from pffs.csi import csi_pb2, csi_pb2_grpc
-from pffs.csi.mounts import unmount_all
+from pffs.csi import csi_pb2
 from pffs.processes import is_alive
 from pffs.scheduler.locality import CACHE_ANNOTATION, node_cache
+from pffs.testing.csi_plugin import CsiPlugin, holds_files_under, processes_with_files_under, wait_gone
+from pffs.testing.kubeconfig import token_kubeconfig
 from pffs.testing.s3_server import SeaweedS3, free_ports
 
 pytestmark = [
@@ -185,164 +183,20 @@ def wait_cached(path: Path, timeout_s: float = 15) -> None:
 # The plugin process
 
 
-def fds_under(pid: int, root: str) -> bool:
-    try:
-        for fd in os.listdir(f"/proc/{pid}/fd"):
-            with contextlib.suppress(OSError):
-                if os.readlink(f"/proc/{pid}/fd/{fd}").startswith(root):
-                    return True
-    except OSError:
-        pass
-    return False
+class Plugin(CsiPlugin):
+    """`pffs csi --mode all` with its cache dir and /metrics, and the kubelet's calls with its deadline."""
 
-
-def processes_with_files_under(root: Path) -> set[int]:
-    """Processes holding a file under `root` open: our plugins and their mount processes (their logs)."""
-    prefix = str(root).rstrip("/") + "/"
-    return {
-        int(p)
-        for p in os.listdir("/proc")
-        if p.isdigit() and int(p) != os.getpid() and fds_under(int(p), prefix)
-    }
-
-
-def wait_gone(pids: set[int], timeout_s: float) -> set[int]:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and any(is_alive(p) for p in pids):
-        time.sleep(0.05)
-    return {p for p in pids if is_alive(p)}
-
-
-@dataclass
-class Plugin:
-    """One `pffs csi --mode all` process (a restart is a new Plugin on the same state dir)."""
-
-    root: Path
-    node_id: str
-    extra: tuple[str, ...]
-    name: str
-    process: subprocess.Popen[bytes] | None = None
-    channel: grpc.Channel | None = None
-    metrics_port: int = 0
-    socket: Path = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.socket = self.root / "csi.sock"
-        if len(str(self.socket)) > 100:  # sun_path holds 108 bytes
-            raise ValueError(f"socket path too long for a unix socket: {self.socket}")
-
-    @property
-    def state_dir(self) -> Path:
-        return self.root / "state"
-
-    @property
-    def cache_dir(self) -> Path:
-        return self.root / "cache"
-
-    @property
-    def log_path(self) -> Path:
-        return self.root / f"{self.name}.log"
-
-    def start(self, timeout_s: float = 30) -> Plugin:
-        self.metrics_port = free_ports(1)[0]
-        args = [
-            sys.executable,
-            "-m",
-            "pffs.cli.main",
-            "csi",
-            "--endpoint",
-            f"unix://{self.socket}",
-            "--node-id",
-            self.node_id,
-            "--mode",
-            "all",
-            "--state-dir",
-            str(self.state_dir),
-            "--cache-dir",
-            str(self.cache_dir),
+    def __init__(self, root: Path, *args: str, verbosity: str = "-v") -> None:
+        super().__init__(
+            root,
             "--cache-size",
             "1G",
-            "--metrics-port",
-            str(self.metrics_port),
-            *self.extra,
-        ]
-        # Credentials reach the plugin only through CSI secrets: none in its environment.
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "PFFS_"))}
-        with open(self.log_path, "ab") as log:
-            self.process = subprocess.Popen(
-                args, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env, cwd=self.root
-            )
-        options = [
-            ("grpc.initial_reconnect_backoff_ms", 50),
-            ("grpc.min_reconnect_backoff_ms", 50),
-            ("grpc.max_reconnect_backoff_ms", 200),
-        ]
-        self.channel = grpc.insecure_channel(f"unix://{self.socket}", options=options)
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if self.process.poll() is not None:
-                raise AssertionError(f"pffs csi exited with {self.process.returncode}:\n{self.log()}")
-            try:
-                info = self.identity.GetPluginInfo(
-                    csi_pb2.GetPluginInfoRequest(), timeout=0.5, wait_for_ready=True
-                )
-                assert info.name == "csi.pffs.io"
-                return self
-            except grpc.RpcError:
-                if time.monotonic() > deadline:
-                    raise AssertionError(
-                        f"pffs csi did not answer within {timeout_s} s:\n{self.log()}"
-                    ) from None
-
-    @property
-    def identity(self) -> csi_pb2_grpc.IdentityStub:
-        return csi_pb2_grpc.IdentityStub(self.channel)
-
-    @property
-    def node(self) -> csi_pb2_grpc.NodeStub:
-        return csi_pb2_grpc.NodeStub(self.channel)
-
-    @property
-    def controller(self) -> csi_pb2_grpc.ControllerStub:
-        return csi_pb2_grpc.ControllerStub(self.channel)
-
-    def kill(self, sig: int = signal.SIGKILL) -> None:
-        if self.channel is not None:
-            self.channel.close()
-            self.channel = None
-        if self.process is not None and self.process.poll() is None:
-            self.process.send_signal(sig)
-            try:
-                self.process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(timeout=15)
-
-    def log(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")
-        except OSError:
-            return ""
-
-    def state(self) -> dict[str, Any]:
-        return json.loads((self.state_dir / "state.json").read_text())
-
-    def staged(self) -> dict[str, dict[str, Any]]:
-        return self.state()["staged"]
-
-    def metric(self, name: str) -> float:
-        """A sample of the plugin's /metrics (e.g. pffs_csi_recoveries_total); 0 when absent."""
-        import urllib.request
-
-        text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).read()
-        total = 0.0
-        for family in text_string_to_metric_families(text.decode()):
-            for sample in family.samples:
-                if sample.name == name:
-                    total += sample.value
-        return total
-
-    # The calls, with the kubelet's deadline
+            *args,
+            node_id="n1",
+            cache_dir=root / "cache",
+            metrics=True,
+            verbosity=verbosity,
+        )
 
     def stage(
         self, volume_id: str, staging: Path, context: dict[str, str], secrets: dict[str, str], **kw: Any
@@ -407,55 +261,21 @@ class Plugin:
         )
 
 
-class Plugins:
-    """Starts plugins under one root and, at the end, leaves nothing running or mounted there."""
+@pytest.fixture
+def start_plugin(tmp_path: Path) -> Iterator[Callable[..., Plugin]]:
+    """Starts the test's plugin (one at a time: a restart is `kill`, then `start` again); at the end nothing
+    it started is left running or mounted under the test's tmp dir."""
+    with contextlib.ExitStack() as started:
 
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.started: list[Plugin] = []
+        def start(*args: str, verbosity: str = "-v") -> Plugin:
+            return started.enter_context(Plugin(tmp_path, *args, verbosity=verbosity))
 
-    def start(self, *extra: str, node_id: str = "n1", verbosity: str = "-v") -> Plugin:
-        plugin = Plugin(self.root, node_id, (*extra, verbosity), f"plugin-{len(self.started) + 1}")
-        self.started.append(plugin)
-        return plugin.start()
-
-    def cleanup(self) -> None:
-        for plugin in self.started:
-            plugin.kill()
-        pids = processes_with_files_under(self.root)
-        for plugin in self.started:
-            with contextlib.suppress(OSError, ValueError, KeyError):
-                pids |= {s["pid"] for s in plugin.staged().values() if s.get("pid")}
-        pids = {p for p in pids if is_alive(p)}
-        for pid in pids:  # SIGTERM: a mount uploads what is pending and unmounts
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGTERM)
-        for pid in wait_gone(pids, 10):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        wait_gone(pids, 10)
-        for _ in range(5):  # deepest first: targets and inline mounts under the state dir
-            left = sorted({m.path for m in mounts_under(self.root)}, key=len, reverse=True)
-            if not left:
-                break
-            for path in left:
-                with contextlib.suppress(OSError):
-                    unmount_all(path)
-                subprocess.run(["umount", "-l", path], capture_output=True, check=False)
+        yield start
 
 
 @pytest.fixture
-def plugins(tmp_path: Path) -> Iterator[Plugins]:
-    factory = Plugins(tmp_path)
-    try:
-        yield factory
-    finally:
-        factory.cleanup()
-
-
-@pytest.fixture
-def plugin(plugins: Plugins) -> Plugin:
-    return plugins.start()
+def plugin(start_plugin: Callable[..., Plugin]) -> Plugin:
+    return start_plugin()
 
 
 def staging_path(root: Path, name: str) -> Path:
@@ -487,7 +307,7 @@ def mount_processes(plugin: Plugin) -> set[int]:
             cmdline = Path(f"/proc/{p}/cmdline").read_bytes()
         except OSError:
             continue
-        if b"pffs.cli.mount_daemon" in cmdline and is_alive(int(p)) and fds_under(int(p), logs):
+        if b"pffs.cli.mount_daemon" in cmdline and is_alive(int(p)) and holds_files_under(int(p), logs):
             found.add(int(p))
     return found
 
@@ -695,37 +515,36 @@ def test_kill_9_of_the_mount_process_recovers_within_10_s(
 
 @pytest.mark.timeout(120)
 def test_plugin_sigkill_restart_adopts_healthy_mounts_and_repairs_broken_ones(
-    plugins: Plugins, dataset: Dataset, tmp_path: Path
+    plugin: Plugin, dataset: Dataset, tmp_path: Path
 ) -> None:
-    first = plugins.start()
     good, bad = staging_path(tmp_path, "pv-good"), staging_path(tmp_path, "pv-bad")
     good_target, bad_target = target_path(tmp_path, "pod-good"), target_path(tmp_path, "pod-bad")
-    first.stage("pv-good", good, dataset.context, dataset.secrets)
-    first.publish("pv-good", good, good_target)
-    first.stage("pv-bad", bad, dataset.context, dataset.secrets)
-    first.publish("pv-bad", bad, bad_target)
+    plugin.stage("pv-good", good, dataset.context, dataset.secrets)
+    plugin.publish("pv-good", good, good_target)
+    plugin.stage("pv-bad", bad, dataset.context, dataset.secrets)
+    plugin.publish("pv-bad", bad, bad_target)
     assert_exact(good_target, dataset)
     assert_exact(bad_target, dataset)
     wait_cached(good / "big.bin")
-    before = first.staged()
+    before = plugin.staged()
     good_pid, bad_pid = before[str(good)]["pid"], before[str(bad)]["pid"]
     good_gets = gets(mount_stats(good))
     assert good_gets >= math.ceil(BIG / BLOCK)
 
-    first.kill(signal.SIGKILL)
+    plugin.kill()
     os.kill(bad_pid, signal.SIGKILL)  # while no plugin watches
     assert wait_gone({bad_pid}, 5) == set()
     assert is_alive(good_pid)
 
-    second = plugins.start()
-    after = second.staged()
+    plugin.start()  # on the same state dir
+    after = plugin.staged()
     assert after[str(good)]["pid"] == good_pid, "the healthy mount was replaced"
     assert mount_stats(good)["pid"] == good_pid
     drop_page_cache()  # the re-read must reach the mount, not just the kernel's pages
     assert sha256((good_target / "big.bin").read_bytes()) == sha256(dataset.files["big.bin"])
     assert gets(mount_stats(good)) == good_gets, "re-reading cached data went to S3: a remount?"
     assert_exact(good_target, dataset)
-    assert "adopted the running mount" in second.log()
+    assert "adopted the running mount" in plugin.log()
 
     def bad_serves() -> bool:
         assert_exact(bad, dataset)
@@ -733,17 +552,17 @@ def test_plugin_sigkill_restart_adopts_healthy_mounts_and_repairs_broken_ones(
         return True
 
     wait_for("the broken volume to be repaired", bad_serves, RECOVERY_DEADLINE_S)
-    new_bad = second.staged()[str(bad)]["pid"]
+    new_bad = plugin.staged()[str(bad)]["pid"]
     assert new_bad != bad_pid and is_alive(new_bad)
-    assert second.staged()[str(good)]["pid"] == good_pid
-    wait_for("one recovery counted", lambda: second.metric("pffs_csi_recoveries_total") == 1, 5)
-    assert mount_processes(second) == {good_pid, new_bad}
+    assert plugin.staged()[str(good)]["pid"] == good_pid
+    wait_for("one recovery counted", lambda: plugin.metric("pffs_csi_recoveries_total") == 1, 5)
+    assert mount_processes(plugin) == {good_pid, new_bad}
 
     # the restarted plugin still owns both volumes: unpublish and unstage work
     for vid, staging, target in (("pv-good", good, good_target), ("pv-bad", bad, bad_target)):
-        second.unpublish(vid, target)
-        second.unstage(vid, staging)
-    assert second.staged() == {}
+        plugin.unpublish(vid, target)
+        plugin.unstage(vid, staging)
+    assert plugin.staged() == {}
     assert wait_gone({good_pid, new_bad}, 10) == set()
     assert mounts_under(tmp_path) == []
 
@@ -768,9 +587,9 @@ def _proc_hits(needle: bytes) -> dict[int, list[str]]:
 
 @pytest.mark.timeout(120)
 def test_secrets_never_reach_argv_environ_logs_or_errors(
-    plugins: Plugins, dataset: Dataset, s3_server: SeaweedS3, tmp_path: Path
+    start_plugin: Callable[..., Plugin], dataset: Dataset, s3_server: SeaweedS3, tmp_path: Path
 ) -> None:
-    plugin = plugins.start(verbosity="-vv")  # debug: every request is logged (secrets stripped)
+    plugin = start_plugin(verbosity="-vv")  # debug: every request is logged (secrets stripped)
     secret = s3_server.secret_key
     errors: list[grpc.RpcError] = []
 
@@ -890,13 +709,23 @@ def shared(s3_server: SeaweedS3, tmp_path_factory: pytest.TempPathFactory) -> It
     bucket = f"csi-shared-{os.urandom(4).hex()}"
     raw.mkdir(bucket)
     raw.pipe(f"{bucket}/set/a.bin", b"a" * 100)
-    factory = Plugins(root)
     try:
-        yield Shared(factory.start(), root, s3_server.endpoint_url, s3_secrets(s3_server), bucket)
+        with Plugin(root) as plugin:
+            yield Shared(plugin, root, s3_server.endpoint_url, s3_secrets(s3_server), bucket)
     finally:
-        factory.cleanup()
         with contextlib.suppress(OSError):
             raw.rm(bucket, recursive=True)
+
+
+Case = tuple[str, Callable[[Shared], tuple[str, Any]], grpc.StatusCode, str]
+
+
+def _request(
+    method: str, kind: type[Any], fields: dict[str, Any], changes: dict[str, Any]
+) -> tuple[str, Any]:
+    """A call of `method` with `fields` as `changes` change them (None leaves a field out)."""
+    fields = {**fields, **changes}
+    return method, kind(**{k: v for k, v in fields.items() if v is not None})
 
 
 def _stage(s: Shared, **changes: Any) -> tuple[str, Any]:
@@ -907,10 +736,7 @@ def _stage(s: Shared, **changes: Any) -> tuple[str, Any]:
         "volume_context": s.context,
         "secrets": s.secrets,
     }
-    fields.update(changes)
-    return "NodeStageVolume", csi_pb2.NodeStageVolumeRequest(
-        **{k: v for k, v in fields.items() if v is not None}
-    )
+    return _request("NodeStageVolume", csi_pb2.NodeStageVolumeRequest, fields, changes)
 
 
 def _publish(s: Shared, **changes: Any) -> tuple[str, Any]:
@@ -920,10 +746,7 @@ def _publish(s: Shared, **changes: Any) -> tuple[str, Any]:
         "target_path": s.path("target"),
         "volume_capability": capability(),
     }
-    fields.update(changes)
-    return "NodePublishVolume", csi_pb2.NodePublishVolumeRequest(
-        **{k: v for k, v in fields.items() if v is not None}
-    )
+    return _request("NodePublishVolume", csi_pb2.NodePublishVolumeRequest, fields, changes)
 
 
 def _create(s: Shared, **changes: Any) -> tuple[str, Any]:
@@ -933,40 +756,34 @@ def _create(s: Shared, **changes: Any) -> tuple[str, Any]:
         "parameters": {"source": f"s3://{s.bucket}/vols", "endpointUrl": s.endpoint_url},
         "secrets": s.secrets,
     }
-    fields.update(changes)
-    return "CreateVolume", csi_pb2.CreateVolumeRequest(**{k: v for k, v in fields.items() if v is not None})
+    return _request("CreateVolume", csi_pb2.CreateVolumeRequest, fields, changes)
+
+
+def _mounting_cases(call: str, build: Callable[..., tuple[str, Any]], path: str, noun: str) -> list[Case]:
+    """What NodeStageVolume and NodePublishVolume both refuse: a missing or unsafe volume id, a missing or
+    block capability or one without an access mode, and a missing, `..`, relative or NUL-holding path where
+    they mount (`path`)."""
+    bad, unknown_mode = Code.INVALID_ARGUMENT, capability(AccessMode.UNKNOWN)
+    return [
+        (f"{call}-no-volume-id", lambda s: build(s, volume_id=None), bad, "volume_id"),
+        (f"{call}-volume-id-dotdot", lambda s: build(s, volume_id="../x"), bad, "volume_id"),
+        (f"{call}-volume-id-absolute", lambda s: build(s, volume_id="/abs"), bad, "volume_id"),
+        (f"{call}-no-capability", lambda s: build(s, volume_capability=None), bad, "volume_capability"),
+        (f"{call}-no-access-mode", lambda s: build(s, volume_capability=unknown_mode), bad, "access_mode"),
+        (f"{call}-block", lambda s: build(s, volume_capability=capability(block=True)), bad, "block"),
+        (f"{call}-no-{noun}", lambda s: build(s, **{path: None}), bad, path),
+        (f"{call}-dotdot-{noun}", lambda s: build(s, **{path: "/tmp/../etc"}), bad, path),
+        (f"{call}-relative-{noun}", lambda s: build(s, **{path: "a/b"}), bad, path),
+        (f"{call}-nul-{noun}", lambda s: build(s, **{path: s.path("x\0y")}), bad, path),
+    ]
 
 
 def _ctx(s: Shared, **changes: str) -> dict[str, str]:
     return {**s.context, **changes}
 
 
-MALFORMED: list[tuple[str, Callable[[Shared], tuple[str, Any]], grpc.StatusCode, str]] = [
-    ("stage-no-volume-id", lambda s: _stage(s, volume_id=None), Code.INVALID_ARGUMENT, "volume_id"),
-    (
-        "stage-no-staging-path",
-        lambda s: _stage(s, staging_target_path=None),
-        Code.INVALID_ARGUMENT,
-        "staging_target_path",
-    ),
-    (
-        "stage-no-capability",
-        lambda s: _stage(s, volume_capability=None),
-        Code.INVALID_ARGUMENT,
-        "volume_capability",
-    ),
-    (
-        "stage-no-access-mode",
-        lambda s: _stage(s, volume_capability=capability(AccessMode.UNKNOWN)),
-        Code.INVALID_ARGUMENT,
-        "access_mode",
-    ),
-    (
-        "stage-block",
-        lambda s: _stage(s, volume_capability=capability(block=True)),
-        Code.INVALID_ARGUMENT,
-        "block",
-    ),
+MALFORMED: list[Case] = [
+    *_mounting_cases("stage", _stage, "staging_target_path", "staging-path"),
     (
         "stage-ftp-source",
         lambda s: _stage(s, volume_context=_ctx(s, source="ftp://x")),
@@ -1016,26 +833,6 @@ MALFORMED: list[tuple[str, Callable[[Shared], tuple[str, Any]], grpc.StatusCode,
         "secretAccessKey",
     ),
     (
-        "stage-dotdot-path",
-        lambda s: _stage(s, staging_target_path="/tmp/../etc"),
-        Code.INVALID_ARGUMENT,
-        "staging_target_path",
-    ),
-    (
-        "stage-relative-path",
-        lambda s: _stage(s, staging_target_path="a/b"),
-        Code.INVALID_ARGUMENT,
-        "staging_target_path",
-    ),
-    (
-        "stage-nul-path",
-        lambda s: _stage(s, staging_target_path=s.path("x\0y")),
-        Code.INVALID_ARGUMENT,
-        "staging_target_path",
-    ),
-    ("stage-volume-id-dotdot", lambda s: _stage(s, volume_id="../x"), Code.INVALID_ARGUMENT, "volume_id"),
-    ("stage-volume-id-absolute", lambda s: _stage(s, volume_id="/abs"), Code.INVALID_ARGUMENT, "volume_id"),
-    (
         "stage-missing-prefix",
         lambda s: _stage(s, volume_context=_ctx(s, source=f"s3://{s.bucket}/nope")),
         Code.NOT_FOUND,
@@ -1053,39 +850,7 @@ MALFORMED: list[tuple[str, Callable[[Shared], tuple[str, Any]], grpc.StatusCode,
         Code.INVALID_ARGUMENT,
         "a.bin",
     ),
-    ("publish-no-target", lambda s: _publish(s, target_path=None), Code.INVALID_ARGUMENT, "target_path"),
-    ("publish-no-volume-id", lambda s: _publish(s, volume_id=None), Code.INVALID_ARGUMENT, "volume_id"),
-    (
-        "publish-no-capability",
-        lambda s: _publish(s, volume_capability=None),
-        Code.INVALID_ARGUMENT,
-        "volume_capability",
-    ),
-    (
-        "publish-block",
-        lambda s: _publish(s, volume_capability=capability(block=True)),
-        Code.INVALID_ARGUMENT,
-        "block",
-    ),
-    (
-        "publish-dotdot-target",
-        lambda s: _publish(s, target_path="/tmp/../etc"),
-        Code.INVALID_ARGUMENT,
-        "target_path",
-    ),
-    (
-        "publish-relative-target",
-        lambda s: _publish(s, target_path="a/b"),
-        Code.INVALID_ARGUMENT,
-        "target_path",
-    ),
-    (
-        "publish-nul-target",
-        lambda s: _publish(s, target_path=s.path("t\0x")),
-        Code.INVALID_ARGUMENT,
-        "target_path",
-    ),
-    ("publish-volume-id-dotdot", lambda s: _publish(s, volume_id="../x"), Code.INVALID_ARGUMENT, "volume_id"),
+    *_mounting_cases("publish", _publish, "target_path", "target"),
     (
         "publish-no-staging-path",
         lambda s: _publish(s, staging_target_path=None),
@@ -1261,7 +1026,7 @@ def test_controller_create_is_idempotent_and_delete_follows_on_delete(
 # 9. The node's cache report
 
 
-class FakeApiServer:
+class FakeApiServer(FakeHttpServer):
     """The two Node endpoints the plugin uses, over real HTTP as the API server speaks them: GET a Node, and
     PATCH it with a merge patch (a JSON Patch must be a list). Records every request."""
 
@@ -1278,12 +1043,7 @@ class FakeApiServer:
             },
         }
         self.requests: list[tuple[str, str, str, Any]] = []  # method, path, content type, body
-        self.lock = threading.Lock()
-        handler = type("Handler", (_ApiHandler,), {"api": self})
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-        self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True)
+        super().__init__(_ApiHandler)
 
     def annotations(self) -> list[str]:
         """The cache annotation of each accepted PATCH, in order."""
@@ -1295,20 +1055,8 @@ class FakeApiServer:
             ]
 
 
-class _ApiHandler(BaseHTTPRequestHandler):
+class _ApiHandler(JsonHandler):
     api: FakeApiServer
-    protocol_version = "HTTP/1.1"
-
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
-
-    def _send(self, code: int, payload: Any) -> None:
-        data = json.dumps(payload).encode()
-        self.send_response(code)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
 
     def _status(self, code: int, reason: str) -> None:
         self._send(
@@ -1316,9 +1064,7 @@ class _ApiHandler(BaseHTTPRequestHandler):
         )
 
     def _handle(self, method: str) -> None:
-        length = int(self.headers.get("Content-Length") or 0)
-        raw = self.rfile.read(length) if length else b""
-        body = json.loads(raw) if raw else None
+        body = self._body()
         ctype = self.headers.get("Content-Type", "")
         api = self.api
         with api.lock:
@@ -1337,50 +1083,19 @@ class _ApiHandler(BaseHTTPRequestHandler):
             api.node["metadata"]["annotations"].update(body.get("metadata", {}).get("annotations", {}))
             return self._send(200, api.node)
 
-    def do_GET(self) -> None:
-        self._handle("GET")
-
-    def do_PATCH(self) -> None:
-        self._handle("PATCH")
-
-
-def write_kubeconfig(path: Path, server: str, token: str) -> Path:
-    path.write_text(
-        f"""apiVersion: v1
-kind: Config
-current-context: test
-clusters:
-- name: fake
-  cluster: {{server: "{server}"}}
-contexts:
-- name: test
-  context: {{cluster: fake, user: csi}}
-users:
-- name: csi
-  user: {{token: {token}}}
-"""
-    )
-    return path
-
 
 @pytest.fixture
 def apiserver() -> Iterator[FakeApiServer]:
-    api = FakeApiServer("n1")
-    api.thread.start()
-    try:
+    with FakeApiServer("n1") as api:
         yield api
-    finally:
-        api.server.shutdown()
-        api.server.server_close()
-        api.thread.join(timeout=10)
 
 
 @pytest.mark.timeout(90)
 def test_cache_report_reaches_the_node_annotation_fake_apiserver(
-    plugins: Plugins, apiserver: FakeApiServer, dataset: Dataset, tmp_path: Path
+    start_plugin: Callable[..., Plugin], apiserver: FakeApiServer, dataset: Dataset, tmp_path: Path
 ) -> None:
-    kubeconfig = write_kubeconfig(tmp_path / "kubeconfig", apiserver.url, apiserver.TOKEN)
-    plugin = plugins.start("--kubeconfig", str(kubeconfig), "--report-interval", "1")
+    kubeconfig = token_kubeconfig(tmp_path / "kubeconfig", apiserver.url, apiserver.TOKEN)
+    plugin = start_plugin("--kubeconfig", str(kubeconfig), "--report-interval", "1")
     info = plugin.node.NodeGetInfo(csi_pb2.NodeGetInfoRequest(), timeout=RPC_TIMEOUT)
     assert info.node_id == "n1"
     assert dict(info.accessible_topology.segments) == {
@@ -1419,12 +1134,12 @@ def test_cache_report_reaches_the_node_annotation_fake_apiserver(
 
 @pytest.mark.timeout(90)
 def test_unreachable_api_server_never_holds_csi_calls_and_is_logged_once(
-    plugins: Plugins, dataset: Dataset, tmp_path: Path
+    start_plugin: Callable[..., Plugin], dataset: Dataset, tmp_path: Path
 ) -> None:
     closed = free_ports(1)[0]  # nothing listens there
-    kubeconfig = write_kubeconfig(tmp_path / "kubeconfig", f"http://127.0.0.1:{closed}", "t")
+    kubeconfig = token_kubeconfig(tmp_path / "kubeconfig", f"http://127.0.0.1:{closed}", "t")
     started = time.monotonic()
-    plugin = plugins.start("--kubeconfig", str(kubeconfig), "--report-interval", "1")
+    plugin = start_plugin("--kubeconfig", str(kubeconfig), "--report-interval", "1")
     assert time.monotonic() - started < 15, "startup waited on the API server"
 
     staging, target = staging_path(tmp_path, "pv-down"), target_path(tmp_path, "pod-down")
@@ -1470,11 +1185,11 @@ def log_count(plugin: Plugin, text: str) -> int:
 
 @pytest.mark.timeout(90)
 def test_publish_onto_a_dead_mount_repairs_it_once_not_twice(
-    plugins: Plugins, dataset: Dataset, tmp_path: Path
+    start_plugin: Callable[..., Plugin], dataset: Dataset, tmp_path: Path
 ) -> None:
     """NodePublishVolume finds the mount dead and repairs it while the supervisor (every 50 ms here) does
     too: there must still be one mount process and one FUSE mount at the staging path."""
-    plugin = plugins.start("--check-interval", "0.05")
+    plugin = start_plugin("--check-interval", "0.05")
     staging = staging_path(tmp_path, "pv-race")
     plugin.stage("pv-race", staging, dataset.context, dataset.secrets)
     for i in range(2):
@@ -1511,11 +1226,11 @@ def test_publish_onto_a_dead_mount_repairs_it_once_not_twice(
 
 @pytest.mark.timeout(90)
 def test_last_inline_unpublish_does_not_race_the_supervisor(
-    plugins: Plugins, dataset: Dataset, tmp_path: Path
+    start_plugin: Callable[..., Plugin], dataset: Dataset, tmp_path: Path
 ) -> None:
     """The last pod's NodeUnpublishVolume stops the shared inline mount; the supervisor (every 50 ms here)
     must not take the stopping mount for a dead one and start it again meanwhile."""
-    plugin = plugins.start("--check-interval", "0.05")
+    plugin = start_plugin("--check-interval", "0.05")
     for i in range(3):
         target = target_path(tmp_path, f"p{i}", "data")
         retry_aborted(
@@ -1594,24 +1309,23 @@ def test_paths_with_spaces_and_non_ascii_letters_stay_mounted(
 
 @pytest.mark.timeout(60)
 def test_unstage_after_the_state_file_was_lost_stops_the_mount_and_forgets_its_credentials(
-    plugins: Plugins, dataset: Dataset, tmp_path: Path
+    plugin: Plugin, dataset: Dataset, tmp_path: Path
 ) -> None:
     """A plugin that finds its state file unreadable starts empty; the kubelet's unpublish and unstage must
     still leave nothing mounted, no mount process, and no credentials file behind."""
-    first = plugins.start()
     staging, target = staging_path(tmp_path, "pv-lost"), target_path(tmp_path, "pod-lost")
-    first.stage("pv-lost", staging, dataset.context, dataset.secrets)
-    first.publish("pv-lost", staging, target)
-    pid = first.staged()[str(staging)]["pid"]
-    first.kill()
-    (first.state_dir / "state.json").write_text("{not json")
+    plugin.stage("pv-lost", staging, dataset.context, dataset.secrets)
+    plugin.publish("pv-lost", staging, target)
+    pid = plugin.staged()[str(staging)]["pid"]
+    plugin.kill()
+    (plugin.state_dir / "state.json").write_text("{not json")
 
-    second = plugins.start()
-    assert (second.state_dir / "state.broken").exists()
+    plugin.start()
+    assert (plugin.state_dir / "state.broken").exists()
     assert_exact(target, dataset)  # the mount still serves
-    second.unpublish("pv-lost", target)
-    second.unstage("pv-lost", staging)
+    plugin.unpublish("pv-lost", target)
+    plugin.unstage("pv-lost", staging)
     assert wait_gone({pid}, 10) == set()
     assert mounts_under(tmp_path) == []
-    left = list((second.state_dir / "secrets").iterdir())
+    left = list((plugin.state_dir / "secrets").iterdir())
     assert left == [], f"credentials of an unstaged volume kept on disk: {left}"

@@ -21,12 +21,12 @@ import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 from fractions import Fraction
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from helpers import FakeHttpServer, JsonHandler
 
 from pffs.cli.main import main
 from pffs.scheduler.kube import (
@@ -42,6 +42,7 @@ from pffs.scheduler.kube import (
 from pffs.scheduler.kube_api import ApiError, KubeApi, kubeconfig_api
 from pffs.scheduler.objects import MILLI, UNLIMITED, Gpu, Queue, Resources
 from pffs.scheduler.queues_config import QueuesConfigError, load_queues, parse_queues
+from pffs.testing.kubeconfig import token_kubeconfig
 from pffs.testing.s3_server import free_ports
 
 GIB_MIB = 1024
@@ -533,7 +534,7 @@ def test_queues_file_missing(tmp_path: Path) -> None:
 # ------------------------------------------------------------------------------------------- fake API server
 
 
-class FakeApiServer:
+class FakeApiServer(FakeHttpServer):
     """The Kubernetes REST endpoints the scheduler uses, over real HTTP, with the API server's semantics for
     them: lists page by page (at most `page` items, `continue` tokens), a Binding sets nodeName and copies
     its annotations onto the pod (409 if already bound), an Eviction deletes the pod, unknown resources are
@@ -546,12 +547,7 @@ class FakeApiServer:
         self.pdb_blocked: set[str] = set()  # pod keys a PodDisruptionBudget protects: eviction is 429
         self.page = page
         self.requests: list[tuple[str, str, Any, str]] = []  # method, path, body, content type
-        self.lock = threading.Lock()
-        handler = type("Handler", (_FakeHandler,), {"api": self})
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-        self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True)
+        super().__init__(_FakeHandler)
 
     def posts(self, suffix: str) -> list[tuple[str, Any]]:
         with self.lock:
@@ -577,24 +573,11 @@ def _status(code: int, reason: str, message: str) -> dict[str, Any]:
     }
 
 
-class _FakeHandler(BaseHTTPRequestHandler):
+class _FakeHandler(JsonHandler):
     api: FakeApiServer
-    protocol_version = "HTTP/1.1"
-
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
-
-    def _send(self, code: int, payload: Any) -> None:
-        data = json.dumps(payload).encode()
-        self.send_response(code)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
 
     def _handle(self, method: str) -> None:
-        length = int(self.headers.get("Content-Length") or 0)
-        body = json.loads(self.rfile.read(length)) if length else None
+        body = self._body()
         url = urllib.parse.urlsplit(self.path)
         query = dict(urllib.parse.parse_qsl(url.query))
         with self.api.lock:
@@ -666,47 +649,16 @@ class _FakeHandler(BaseHTTPRequestHandler):
             return 201, body
         return 404, _status(404, "NotFound", "the server could not find the requested resource")
 
-    def do_GET(self) -> None:
-        self._handle("GET")
-
-    def do_POST(self) -> None:
-        self._handle("POST")
-
-    def do_PATCH(self) -> None:
-        self._handle("PATCH")
-
 
 @pytest.fixture
 def apiserver() -> Iterator[FakeApiServer]:
-    api = FakeApiServer()
-    api.thread.start()
-    try:
+    with FakeApiServer() as api:
         yield api
-    finally:
-        api.server.shutdown()
-        api.server.server_close()
-        api.thread.join(timeout=10)
 
 
 @pytest.fixture
 def kubeconfig(tmp_path: Path, apiserver: FakeApiServer) -> Path:
-    path = tmp_path / "kubeconfig"
-    path.write_text(
-        f"""apiVersion: v1
-kind: Config
-current-context: test
-clusters:
-- name: fake
-  cluster: {{server: "{apiserver.url}"}}
-contexts:
-- name: test
-  context: {{cluster: fake, user: scheduler}}
-users:
-- name: scheduler
-  user: {{token: {TOKEN}}}
-"""
-    )
-    return path
+    return token_kubeconfig(tmp_path / "kubeconfig", apiserver.url, TOKEN)
 
 
 def scheduler_for(kubeconfig: Path, queues: list[Queue] | None = None) -> Scheduler:
