@@ -57,3 +57,7 @@ for tool in "${GO_TOOLS[@]}"; do
     GOBIN="$TOOLS_BIN" GOFLAGS=-mod=mod go install "$module"
     echo "$module" > "$stamp"
 done
+
+# Kubernetes v1.37.2 (kube-apiserver, controller-manager, scheduler, kubelet) for the tests against a real
+# control plane: built once from the Go module proxy into the same cache folder (~10 minutes the first time).
+bash scripts/build_kube.sh

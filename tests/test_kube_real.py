@@ -1,0 +1,369 @@
+"""pffs against a real Kubernetes control plane (etcd, kube-apiserver, kube-controller-manager and
+kube-scheduler v1.37.2 on loopback; pffs.testing.kube_cluster): the manifests of deploy/ pass the API
+server's own validation (server-side dry run), the CSI node plugin publishes its cache report with the
+service account and RBAC that deploy/ gives it — and nothing more — and kube-scheduler with `pffs extender`
+places pods next to their warm cache.
+
+Marked `kube`: CI builds the binaries (make setup) and runs these every time; a plain local pytest without
+them skips, saying which binary is missing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from helpers import sha256
+
+from pffs.csi import csi_pb2
+from pffs.scheduler.locality import CACHE_ANNOTATION, node_cache
+from pffs.testing.csi_plugin import CsiPlugin
+from pffs.testing.kube_cluster import KubeControlPlane, missing_binaries
+from pffs.testing.s3_server import SeaweedS3, free_ports
+
+REPO = Path(__file__).resolve().parent.parent
+REQUIRE_SERVERS = os.environ.get("PFFS_REQUIRE_SERVERS") == "1"
+TOOLS_BIN = Path(os.environ.get("PFFS_TOOLS_BIN") or Path.home() / ".cache/pffs-tools/bin")
+
+pytestmark = [pytest.mark.kube, pytest.mark.timeout(300)]
+
+
+def require_control_plane() -> None:
+    missing = missing_binaries()
+    if missing:
+        message = f"a real control plane needs {', '.join(missing)}; run `make setup`"
+        if REQUIRE_SERVERS:
+            pytest.fail(message)
+        pytest.skip(message)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KubeControlPlane]:
+    require_control_plane()
+    with KubeControlPlane(tmp_path_factory.mktemp("kube")) as control_plane:
+        yield control_plane
+
+
+def wait_for(what: str, check: Callable[[], Any], timeout_s: float = 60.0) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        result = check()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout_s:.0f} s")
+        time.sleep(0.2)
+
+
+def rendered(folder: str) -> list[dict[str, Any]]:
+    """The objects of a deploy/ folder: `kustomize build` where it has a kustomization, else its files."""
+    path = REPO / "deploy" / folder
+    if (path / "kustomization.yaml").exists():
+        kustomize = TOOLS_BIN / "kustomize"
+        text = subprocess.run(
+            [str(kustomize), "build", str(path)], check=True, capture_output=True, text=True
+        ).stdout
+    else:
+        text = "\n---\n".join(p.read_text() for p in sorted(path.glob("*.yaml")))
+    objects = [doc for doc in yaml.safe_load_all(text) if doc]
+    # Kubernetes objects only (queues.yaml, KubeSchedulerConfiguration are files for a program, not the API).
+    return [o for o in objects if "metadata" in o and not o["kind"].startswith("KubeScheduler")]
+
+
+def make_node(
+    api: Any,
+    name: str,
+    cpu: str = "8",
+    labels: dict[str, str] | None = None,
+    annotations: dict[str, str] | None = None,
+) -> None:
+    """A plain Node object that kube-scheduler can bind to: capacity, Ready, and no not-ready taint."""
+    from kubernetes import client
+
+    core = client.CoreV1Api(api)
+    core.create_node(
+        {"metadata": {"name": name, "labels": labels or {}, "annotations": annotations or {}}, "spec": {}}
+    )
+    resources = {"cpu": cpu, "memory": "32Gi", "pods": "110"}
+    ready = {
+        "type": "Ready",
+        "status": "True",
+        "reason": "KubeletReady",
+        "message": "test node",
+        "lastHeartbeatTime": _now(),
+        "lastTransitionTime": _now(),
+    }
+    core.patch_node_status(
+        name, {"status": {"capacity": resources, "allocatable": resources, "conditions": [ready]}}
+    )
+    # The apiserver taints new Nodes not-ready; no node lifecycle controller runs here to lift it.
+    core.patch_node(name, {"spec": {"taints": None}})
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+# 4. Every manifest applies (server-side dry run)
+
+
+def test_every_manifest_in_deploy_passes_a_server_side_dry_run(cluster: KubeControlPlane) -> None:
+    from kubernetes import dynamic
+    from kubernetes.client.exceptions import ApiException
+
+    api = dynamic.DynamicClient(cluster.api())
+    objects = rendered("csi") + rendered("csi/examples") + rendered("scheduler")
+    kinds = {(o["apiVersion"], o["kind"]) for o in objects}
+    assert ("storage.k8s.io/v1", "CSIDriver") in kinds and ("apps/v1", "DaemonSet") in kinds
+    # Namespaces first, for real: a dry-run object cannot live in a namespace that a dry run made.
+    for obj in objects:
+        if obj["kind"] == "Namespace":
+            resource = api.resources.get(api_version="v1", kind="Namespace")
+            resource.server_side_apply(body=obj, field_manager="pffs-test", dry_run="All")
+            resource.server_side_apply(body=obj, field_manager="pffs-test")
+    refused = []
+    for obj in objects:
+        resource = api.resources.get(api_version=obj["apiVersion"], kind=obj["kind"])
+        namespace = obj["metadata"].get("namespace") if resource.namespaced else None
+        try:
+            resource.server_side_apply(
+                body=obj, namespace=namespace, field_manager="pffs-test", dry_run="All"
+            )
+        except ApiException as exc:
+            refused.append(f"{obj['kind']} {obj['metadata']['name']}: {exc.status} {exc.body}")
+    # A dry run stores nothing: the CSIDriver (not applied for real) is not there.
+    from kubernetes.dynamic.exceptions import NotFoundError
+
+    with pytest.raises(NotFoundError):
+        api.resources.get(api_version="storage.k8s.io/v1", kind="CSIDriver").get(name="csi.pffs.io")
+    assert not refused, "\n".join(refused)
+
+
+# 3. The CSI node plugin's cache report, with deploy/'s service account and RBAC only
+
+
+def apply_node_rbac(cluster: KubeControlPlane) -> None:
+    from kubernetes import dynamic
+    from kubernetes.client.exceptions import ApiException
+
+    api = dynamic.DynamicClient(cluster.api())
+    for obj in rendered("csi"):
+        name = obj["metadata"]["name"]
+        if obj["kind"] == "Namespace" or name in ("pffs-csi-node",):
+            if obj["kind"] not in ("Namespace", "ServiceAccount", "ClusterRole", "ClusterRoleBinding"):
+                continue
+            resource = api.resources.get(api_version=obj["apiVersion"], kind=obj["kind"])
+            namespace = obj["metadata"].get("namespace") if resource.namespaced else None
+            with contextlib.suppress(ApiException):  # already there (another test made it)
+                resource.create(body=obj, namespace=namespace)
+
+
+def service_account_kubeconfig(cluster: KubeControlPlane, path: Path, namespace: str, name: str) -> Path:
+    """A kubeconfig with a token of the service account (the TokenRequest API, as a pod's projected token)."""
+    from kubernetes import client
+
+    request = {"spec": {"expirationSeconds": 3600, "audiences": ["https://kubernetes.default.svc"]}}
+    token = client.CoreV1Api(cluster.api()).create_namespaced_service_account_token(name, namespace, request)
+    return cluster.kubeconfig_for_token(path, token.status.token, name)
+
+
+@pytest.mark.s3
+def test_the_csi_node_plugin_reports_its_cache_with_deploys_rbac_and_is_refused_the_rest(
+    cluster: KubeControlPlane, s3_server: SeaweedS3, raw_s3: Any, bucket: str, tmp_path: Path
+) -> None:
+    from kubernetes import client
+    from kubernetes.client.exceptions import ApiException
+
+    apply_node_rbac(cluster)
+    node_name = "csi-node-1"
+    make_node(
+        cluster.api(), node_name, labels={"topology.kubernetes.io/zone": "zone-a", "pffs.io/tor": "tor-7"}
+    )
+    kubeconfig = service_account_kubeconfig(
+        cluster, tmp_path / "node.kubeconfig", "pffs-system", "pffs-csi-node"
+    )
+
+    # What the RBAC of deploy/csi does not grant, the API server refuses to this account.
+    as_node_plugin = client.CoreV1Api(_api_from(kubeconfig))
+    for what, call in {
+        "list nodes": lambda: as_node_plugin.list_node(),
+        "list pods": lambda: as_node_plugin.list_pod_for_all_namespaces(),
+        "read a secret": lambda: as_node_plugin.read_namespaced_secret("pffs-s3-credentials", "pffs-system"),
+        "delete a node": lambda: as_node_plugin.delete_node(node_name),
+    }.items():
+        with pytest.raises(ApiException) as refused:
+            call()
+        assert refused.value.status == 403, what
+
+    data = os.urandom(5 << 20)
+    raw_s3.pipe_file(f"{bucket}/dataset/part-0", data)
+    source = f"s3://{bucket}/dataset"
+    root = tmp_path / "plugin"
+    root.mkdir()
+    with CsiPlugin(
+        root,
+        "--cache-size",
+        "1G",
+        "--kubeconfig",
+        str(kubeconfig),
+        "--report-interval",
+        "1",
+        node_id=node_name,
+    ) as plugin:
+        info = plugin.node.NodeGetInfo(csi_pb2.NodeGetInfoRequest())
+        segments = dict(info.accessible_topology.segments)
+        assert segments["topology.pffs.io/zone"] == "zone-a" and segments["topology.pffs.io/tor"] == "tor-7"
+        capability = csi_pb2.VolumeCapability(
+            mount=csi_pb2.VolumeCapability.MountVolume(),
+            access_mode=csi_pb2.VolumeCapability.AccessMode(
+                mode=csi_pb2.VolumeCapability.AccessMode.MULTI_NODE_READER_ONLY
+            ),
+        )
+        staging, target = root / "staging", root / "target"
+        staging.mkdir()
+        secrets = {"accessKeyId": s3_server.access_key, "secretAccessKey": s3_server.secret_key}
+        context = {"source": source, "endpointUrl": s3_server.endpoint_url}
+        plugin.node.NodeStageVolume(
+            csi_pb2.NodeStageVolumeRequest(
+                volume_id="dataset",
+                staging_target_path=str(staging),
+                volume_capability=capability,
+                volume_context=context,
+                secrets=secrets,
+            )
+        )
+        plugin.node.NodePublishVolume(
+            csi_pb2.NodePublishVolumeRequest(
+                volume_id="dataset",
+                staging_target_path=str(staging),
+                target_path=str(target),
+                volume_capability=capability,
+                readonly=True,
+            )
+        )
+        assert sha256((target / "part-0").read_bytes()) == sha256(data)
+
+        core = client.CoreV1Api(cluster.api())
+
+        def reported() -> Any:
+            annotations = core.read_node(node_name).metadata.annotations or {}
+            cache = node_cache({"metadata": {"annotations": annotations}})
+            entry = (cache or {}).get(source)
+            return entry if entry and entry.cached_bytes == len(data) else None
+
+        entry = wait_for("the cache report on the Node", reported, timeout_s=30)
+        assert entry.total_bytes == len(data)
+        report = json.loads(core.read_node(node_name).metadata.annotations[CACHE_ANNOTATION])
+        assert report["capacity_bytes"] == 1 << 30 and report["updated_at"].endswith("Z")
+        plugin.node.NodeUnpublishVolume(
+            csi_pb2.NodeUnpublishVolumeRequest(volume_id="dataset", target_path=str(target))
+        )
+        plugin.node.NodeUnstageVolume(
+            csi_pb2.NodeUnstageVolumeRequest(volume_id="dataset", staging_target_path=str(staging))
+        )
+        assert "could not write it" not in plugin.log()
+
+
+def _api_from(kubeconfig: Path) -> Any:
+    from kubernetes import client, config
+
+    configuration = client.Configuration()
+    config.load_kube_config(config_file=str(kubeconfig), client_configuration=configuration)
+    return client.ApiClient(configuration)
+
+
+# 1. kube-scheduler with pffs extender
+
+
+@pytest.fixture
+def extender(cluster: KubeControlPlane, tmp_path: Path) -> Iterator[tuple[int, subprocess.Popen[bytes]]]:
+    port = free_ports(1)[0]
+    with open(tmp_path / "extender.log", "ab") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "pffs.cli.main", "extender", "--port", str(port), "-v"], stderr=log
+        )
+    try:
+        wait_for("pffs extender", lambda: _answers(f"http://127.0.0.1:{port}/healthz"), timeout_s=30)
+        yield port, process
+    finally:
+        process.terminate()
+        process.wait(timeout=10)
+
+
+def _answers(url: str) -> bool:
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=1) as answer:
+            return answer.status == 200
+    except OSError:
+        return False
+
+
+def test_kube_scheduler_with_pffs_extender_places_pods_by_cache_locality(
+    cluster: KubeControlPlane, extender: tuple[int, subprocess.Popen[bytes]], tmp_path: Path
+) -> None:
+    """deploy/scheduler/extender-config.yaml, pointed at this extender, in a second kube-scheduler
+    (schedulerName pffs-locality): warm node first, another when the warm one is full, and on without
+    the extender when it is down (ignorable)."""
+    from kubernetes import client
+
+    port, extender_process = extender
+    config = yaml.safe_load((REPO / "deploy/scheduler/extender-config.yaml").read_text())
+    config["clientConnection"]["kubeconfig"] = str(cluster.kubeconfig)
+    config["profiles"] = [{"schedulerName": "pffs-locality"}]
+    config["extenders"][0]["urlPrefix"] = f"http://127.0.0.1:{port}/"
+    config["extenders"][0]["httpTimeout"] = "2s"
+    config["leaderElection"] = {"leaderElect": False}
+    config_path = tmp_path / "scheduler.yaml"
+    config_path.write_text(yaml.safe_dump(config))
+    args = [str(cluster.bin / "kube-scheduler"), "--config", str(config_path), "--bind-address", "127.0.0.1"]
+    with open(tmp_path / "scheduler.log", "ab") as log:
+        scheduler = subprocess.Popen(
+            [*args, "--secure-port", str(free_ports(1)[0])], stdout=log, stderr=subprocess.STDOUT
+        )
+    try:
+        dataset = "s3://warm/imagenet"
+        warm = json.dumps({"datasets": {dataset: {"cached_bytes": 100, "total_bytes": 100}}})
+        cold = json.dumps({"datasets": {}})
+        # Three nodes with pffs; the warm one is first by name, so a locality-blind tie could pick it
+        # too: make it the last alphabetically and give the cold ones more room (a better plain score).
+        make_node(cluster.api(), "loc-a-cold", cpu="16", annotations={CACHE_ANNOTATION: cold})
+        make_node(cluster.api(), "loc-b-cold", cpu="16", annotations={CACHE_ANNOTATION: cold})
+        make_node(cluster.api(), "loc-z-warm", cpu="2", annotations={CACHE_ANNOTATION: warm})
+        core = client.CoreV1Api(cluster.api())
+
+        def pod(name: str, cpu: str) -> dict[str, Any]:
+            return {
+                "metadata": {"name": name, "annotations": {"pffs.io/datasets": dataset}},
+                "spec": {
+                    "schedulerName": "pffs-locality",
+                    "containers": [
+                        {"name": "c", "image": "busybox:1.36", "resources": {"requests": {"cpu": cpu}}}
+                    ],
+                },
+            }
+
+        def node_of(name: str) -> str | None:
+            return core.read_namespaced_pod(name, "default").spec.node_name
+
+        core.create_namespaced_pod("default", pod("reader-1", "1"))
+        assert wait_for("reader-1 scheduled", lambda: node_of("reader-1")) == "loc-z-warm"
+        core.create_namespaced_pod("default", pod("reader-2", "1500m"))  # no longer fits on the warm node
+        assert wait_for("reader-2 scheduled", lambda: node_of("reader-2")) in ("loc-a-cold", "loc-b-cold")
+        extender_process.terminate()
+        extender_process.wait(timeout=10)
+        core.create_namespaced_pod("default", pod("reader-3", "1"))
+        assert wait_for("reader-3 scheduled without the extender", lambda: node_of("reader-3"))
+    finally:
+        scheduler.terminate()
+        scheduler.wait(timeout=15)
