@@ -337,9 +337,14 @@ def test_children_forked_while_the_disk_writer_commits_can_use_the_cache(tmp_pat
     stop = threading.Event()
 
     def keep_writing() -> None:
+        # Commits all the time, over a bounded set of keys (at most 20 MB): the cache never fills, so
+        # eviction cannot take a child's block before it reads it back (on a loaded machine the parent
+        # used to write 64 MB meanwhile, and LRU rightly evicted it).
         i = 0
         while not stop.is_set():
-            cache.get(f"parent-{i}", lambda: os.urandom(20_000))
+            key = f"parent-{i % 1000}"
+            cache.discard(key)
+            cache.get(key, lambda: os.urandom(20_000))
             i += 1
 
     writer = threading.Thread(target=keep_writing)
