@@ -23,6 +23,7 @@ from pffs.csi.identity import DRIVER_NAME, IdentityServicer
 from pffs.csi.metrics import PluginMetrics
 from pffs.csi.node import NodeServicer
 from pffs.csi.periodic import Periodic
+from pffs.csi.registration import KubeletRegistration
 from pffs.csi.volumes import NodeConfig, VolumeManager
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,8 @@ class PluginOptions:
     report_interval_s: float = 30.0
     kubeconfig: Path | None = None
     in_cluster: bool = False
+    kubelet_registration_dir: Path | None = None  # register with the kubelet here (no registrar sidecar)
+    kubelet_registration_path: str | None = None  # the CSI socket as the kubelet sees it (default: ours)
     mount_metrics_ports: tuple[int, int] | None = None
 
 
@@ -105,6 +108,7 @@ class Plugin:
         self.volumes: VolumeManager | None = None
         self.supervisor: Periodic | None = None
         self.reporter: Any = None
+        self.registration: KubeletRegistration | None = None
         self.server = grpc.server(concurrent.futures.ThreadPoolExecutor(16, thread_name_prefix="csi-rpc"))
         serve_node = options.mode in ("node", "all")
         serve_controller = options.mode in ("controller", "all")
@@ -136,6 +140,12 @@ class Plugin:
         self.volumes.adopt()
         csi_pb2_grpc.add_NodeServicer_to_server(NodeServicer(self.volumes, self.metrics), self.server)
         # Checks every mount and repairs the dead ones.
+        if options.kubelet_registration_dir is not None:
+            self.registration = KubeletRegistration(
+                options.kubelet_registration_dir,
+                DRIVER_NAME,
+                options.kubelet_registration_path or self.socket_path or self.address,
+            )
         self.supervisor = Periodic("supervisor", self.volumes.check, options.check_interval_s)
         if api is not None:
             from pffs.csi.cache_report import CacheReporter, NodeAnnotation
@@ -159,6 +169,8 @@ class Plugin:
         self.server.start()
         if self.options.metrics_port:
             self.metrics.serve(self.options.metrics_address, self.options.metrics_port)
+        if self.registration:
+            self.registration.start()  # after the CSI socket answers: the kubelet calls it at once
         if self.supervisor:
             self.supervisor.start()
         if self.reporter:
@@ -174,6 +186,8 @@ class Plugin:
 
     def stop(self) -> None:
         """Stops serving; mounts keep running for the next plugin process to adopt."""
+        if self.registration:
+            self.registration.stop()
         self.server.stop(grace=5).wait(10)
         if self.supervisor:
             self.supervisor.stop()

@@ -27,7 +27,11 @@ from pffs.csi import csi_pb2, csi_pb2_grpc
 SPEC_MODULE = "github.com/container-storage-interface/spec"
 SPEC_VERSION = "v1.13.0"
 REPO = Path(__file__).resolve().parent.parent
-GENERATED = ("csi_pb2.py", "csi_pb2.pyi", "csi_pb2_grpc.py")
+GENERATED = tuple(
+    f"{proto}{suffix}"
+    for proto in ("csi", "pluginregistration")
+    for suffix in ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")
+)
 PROTOBUF_INCLUDE = Path(grpc_tools.__file__).parent / "_proto"  # google/protobuf/*.proto
 # What pffs serves: the servicers implement exactly these, and a CO gets UNIMPLEMENTED for the rest.
 SERVED_RPCS = {
@@ -89,26 +93,31 @@ def spec_file(tmp_path_factory: pytest.TempPathFactory) -> descriptor_pb2.FileDe
         if REQUIRE_SERVERS:
             pytest.fail(reason)
         pytest.skip(reason)
-    descriptor_set = tmp_path_factory.mktemp("spec") / "csi.pb"
+    return compile_descriptor(spec_proto, tmp_path_factory.mktemp("spec"))
+
+
+def compile_descriptor(proto: Path, workdir: Path) -> descriptor_pb2.FileDescriptorProto:
+    """A .proto file as protoc sees it (the same compiler that makes our stubs)."""
+    descriptor_set = workdir / "descriptors.pb"
     compiled = subprocess.run(
         [
             sys.executable,
             "-m",
             "grpc_tools.protoc",
-            f"-I{spec_proto.parent}",
+            f"-I{proto.parent}",
             f"-I{PROTOBUF_INCLUDE}",
             f"--descriptor_set_out={descriptor_set}",
             "--include_imports",
-            str(spec_proto),
+            str(proto),
         ],
         capture_output=True,
         text=True,
         timeout=60,
         check=False,
     )
-    assert compiled.returncode == 0, f"protoc could not compile {spec_proto}:\n{compiled.stderr}"
+    assert compiled.returncode == 0, f"protoc could not compile {proto}:\n{compiled.stderr}"
     files = descriptor_pb2.FileDescriptorSet.FromString(descriptor_set.read_bytes()).file
-    return next(file for file in files if file.name == "csi.proto")
+    return next(file for file in files if file.name == proto.name)
 
 
 def our_file() -> descriptor_pb2.FileDescriptorProto:
@@ -433,3 +442,30 @@ def test_constraints_pin_runtimes_at_or_above_the_generators() -> None:
         f"constraints.txt pins protobuf {pins['protobuf']}, below the {protobuf_gencode.group(1)} "
         "csi_pb2.py was generated for"
     )
+
+
+KUBELET_MODULE, KUBELET_VERSION = "k8s.io/kubelet", "v0.37.2"
+
+
+def test_our_plugin_registration_proto_matches_the_kubelets(tmp_path: Path) -> None:
+    """protos/pluginregistration.proto against the kubelet's own (k8s.io/kubelet, in the Go module cache
+    once scripts/build_kube.sh has built the kubelet)."""
+    from pffs.csi import pluginregistration_pb2
+
+    found = [
+        cache / f"{KUBELET_MODULE}@{KUBELET_VERSION}" / "pkg/apis/pluginregistration/v1/api.proto"
+        for cache in go_module_caches()
+    ]
+    kubelet_proto = next((path for path in found if path.is_file()), None)
+    if kubelet_proto is None:
+        reason = f"{KUBELET_MODULE}@{KUBELET_VERSION} is not in the Go module cache; run make setup"
+        if REQUIRE_SERVERS:
+            pytest.fail(reason)
+        pytest.skip(reason)
+    kubelets = compile_descriptor(kubelet_proto, tmp_path)
+    ours = descriptor_pb2.FileDescriptorProto.FromString(pluginregistration_pb2.DESCRIPTOR.serialized_pb)
+    problems = differences(ours, kubelets)
+    assert not problems, "protos/pluginregistration.proto differs from the kubelet's:\n  " + "\n  ".join(
+        problems
+    )
+    assert {m.name for m in ours.message_type} == {m.name for m in kubelets.message_type}

@@ -65,6 +65,16 @@ def add_parsers(sub: Any, verbosity: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--check-interval", type=float, default=1.0, help="seconds between mount health checks (default 1)"
     )
+    p.add_argument(
+        "--kubelet-registration-dir",
+        type=Path,
+        help="register the driver with the kubelet through this plugins_registry folder (what the "
+        "node-driver-registrar sidecar does; e.g. /var/lib/kubelet/plugins_registry)",
+    )
+    p.add_argument(
+        "--kubelet-registration-path",
+        help="the CSI socket's path as the kubelet sees it (default: --endpoint's path)",
+    )
     p.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port")
     p.add_argument(
         "--metrics-address", default="127.0.0.1", help="address of every /metrics (default 127.0.0.1)"
@@ -112,6 +122,8 @@ def run(args: argparse.Namespace) -> int:
         kubeconfig=args.kubeconfig,
         in_cluster=args.in_cluster,
         mount_metrics_ports=ports,
+        kubelet_registration_dir=args.kubelet_registration_dir,
+        kubelet_registration_path=args.kubelet_registration_path,
     )
     try:
         from pffs.csi.server import Plugin  # noqa: F401  (import errors surface here, before serving)
