@@ -62,8 +62,8 @@ def unmount(path: str, lazy: bool = False) -> bool:
 
 
 def unmount_all(path: str) -> None:
-    """Unmounts every mount stacked at `path` (a repeated bind leaves several)."""
-    for _ in range(16):
+    """Unmounts every mount stacked at `path` (a repair binds over a dead bind: each leaves one more)."""
+    for _ in range(256):
         if not unmount(path, lazy=True):
             return
 

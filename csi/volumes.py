@@ -306,8 +306,9 @@ class VolumeManager:
         self.metrics.recoveries.inc()
 
     def _mount_again(self, staged: Staged) -> None:
-        for target in staged.targets:
-            unmount_all(target)
+        """The pods' targets keep their dead binds: the new mount is bound on top of each. A container
+        sees its volume as a slave copy of the target's mount, which receives mounts made on top of it
+        (HostToContainer) but never a mount made anew after the target was unmounted."""
         if staged.pid and is_mount_process(staged.pid):
             stop_mount_process(staged.pid, staged.staging_path, timeout_s=5)
         unmount_all(staged.staging_path)
@@ -319,10 +320,10 @@ class VolumeManager:
             staged.pid = pid
             self.state.save()
         for target, info in staged.targets.items():
-            os.makedirs(target, exist_ok=True)
-            bind_mount(staged.staging_path, target, info.read_only)
+            # No makedirs here: a dead bind answers ENOTCONN, which makedirs takes for "not a folder".
+            bind_mount(staged.staging_path, target, info.read_only)  # over the dead bind, if any
         log.info(
-            "mounted %s again at %s (pid %d) and re-bound %d target(s)",
+            "mounted %s again at %s (pid %d) and bound it over %d target(s)",
             staged.attributes.get("source"),
             staged.staging_path,
             pid,

@@ -6,7 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-APT_PACKAGES=(fuse3 libfuse3-dev pkg-config gcc python3-dev python3-venv fio s3fs)
+APT_PACKAGES=(fuse3 libfuse3-dev pkg-config gcc python3-dev python3-venv fio s3fs containerd runc busybox-static)
 missing=()
 for pkg in "${APT_PACKAGES[@]}"; do
     dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
@@ -61,3 +61,4 @@ done
 # Kubernetes v1.37.2 (kube-apiserver, controller-manager, scheduler, kubelet) for the tests against a real
 # control plane: built once from the Go module proxy into the same cache folder (~10 minutes the first time).
 bash scripts/build_kube.sh
+bash scripts/build_csi_provisioner.sh

@@ -163,7 +163,8 @@ class KubeControlPlane:
                 "--secure-port",
                 str(self.cm_port),
                 "--controllers",
-                "persistentvolume-binder-controller,serviceaccount-token-controller,"
+                "persistentvolume-binder-controller,persistentvolume-protection-controller,"
+                "persistentvolumeclaim-protection-controller,serviceaccount-token-controller,"
                 "serviceaccount-controller,garbage-collector-controller,namespace-controller",
                 "--service-account-private-key-file",
                 str(self.workdir / "sa.key"),
