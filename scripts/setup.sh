@@ -49,7 +49,7 @@ for tool in "${GO_TOOLS[@]}"; do
         continue
     fi
     if ! command -v go >/dev/null; then
-        echo "setup: Go is needed to build $name ($module); install Go 1.24 or later" >&2
+        echo "setup: Go is needed to build $name ($module); install Go 1.26 or later" >&2
         exit 1
     fi
     echo "setup: building $name with Go into $TOOLS_BIN (once)"
