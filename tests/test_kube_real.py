@@ -367,3 +367,85 @@ def test_kube_scheduler_with_pffs_extender_places_pods_by_cache_locality(
     finally:
         scheduler.terminate()
         scheduler.wait(timeout=15)
+
+
+# 5. A kubeconfig with an exec credential plugin (what EKS, GKE and AKS hand out)
+
+
+def test_pffs_scheduler_signs_in_through_an_exec_credential_plugin(
+    cluster: KubeControlPlane, tmp_path: Path
+) -> None:
+    from kubernetes import client
+
+    calls = tmp_path / "plugin-calls"
+    plugin = tmp_path / "credential-plugin"
+    credential = {
+        "apiVersion": "client.authentication.k8s.io/v1",
+        "kind": "ExecCredential",
+        "status": {"token": cluster.token},
+    }
+    plugin.write_text(f"#!/bin/sh\necho called >> {calls}\ncat <<'END'\n{json.dumps(credential)}\nEND\n")
+    plugin.chmod(0o755)
+    kubeconfig = tmp_path / "exec.kubeconfig"
+    kubeconfig.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "current-context": "exec",
+                "clusters": [
+                    {
+                        "name": "c",
+                        "cluster": {"server": cluster.url, "certificate-authority": str(cluster.ca_file)},
+                    }
+                ],
+                "contexts": [{"name": "exec", "context": {"cluster": "c", "user": "plugin"}}],
+                "users": [
+                    {
+                        "name": "plugin",
+                        "user": {
+                            "exec": {
+                                "apiVersion": "client.authentication.k8s.io/v1",
+                                "command": str(plugin),
+                                "interactiveMode": "Never",
+                            }
+                        },
+                    }
+                ],
+            }
+        )
+    )
+    make_node(cluster.api(), "exec-node")
+    core = client.CoreV1Api(cluster.api())
+    core.create_namespaced_pod(
+        "default",
+        {
+            "metadata": {"name": "exec-placed"},
+            "spec": {
+                "schedulerName": "pffs-scheduler",
+                "containers": [
+                    {"name": "c", "image": "busybox:1.36", "resources": {"requests": {"cpu": "1"}}}
+                ],
+            },
+        },
+    )
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pffs.cli.main",
+            "scheduler",
+            "--kubeconfig",
+            str(kubeconfig),
+            "--queues",
+            str(REPO / "deploy/scheduler/queues.yaml"),
+            "--once",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr
+    assert calls.read_text().count("called") >= 1  # the plugin gave the token
+    assert cluster.token not in run.stdout + run.stderr
+    assert core.read_namespaced_pod("exec-placed", "default").spec.node_name, run.stdout[-2000:]

@@ -47,7 +47,7 @@ from datetime import UTC, datetime
 from fractions import Fraction
 from typing import TYPE_CHECKING, Any
 
-from pffs.scheduler.kube_api import ApiError, KubeApi
+from pffs.scheduler.kube_api import ApiError, RestCalls
 from pffs.scheduler.locality import BadObject, json_list, json_object, node_cache, pod_datasets
 from pffs.scheduler.objects import MILLI, Gpu, Node, Placement, Pod, PodGroup, Queue
 from pffs.scheduler.prometheus import SchedulerStats
@@ -647,7 +647,7 @@ class Scheduler:
 
     def __init__(
         self,
-        api: KubeApi,
+        api: RestCalls,
         queues: Sequence[Queue],
         *,
         weights: Weights | None = None,

@@ -33,7 +33,33 @@ class ApiError(Exception):
         self.message = message
 
 
-class KubeApi:
+class RestCalls:
+    """What the scheduler and extender call: `request` (one REST call, JSON in and out, ApiError on any
+    failure) and `list_items` (every item of a list, page by page)."""
+
+    server: str
+
+    def request(
+        self, method: str, path: str, body: Any = None, content_type: str = "application/json"
+    ) -> Any:
+        raise NotImplementedError
+
+    def list_items(self, path: str, page: int = 500) -> list[Any]:
+        """Every item of a list, page by page (limit/continue)."""
+        items: list[Any] = []
+        token = ""
+        while True:
+            query = {"limit": str(page)} | ({"continue": token} if token else {})
+            answer = self.request("GET", f"{path}?{urllib.parse.urlencode(query)}")
+            if not isinstance(answer, Mapping) or not isinstance(answer.get("items"), list):
+                raise ApiError("GET", path, 200, "the answer is not a list object (items missing)")
+            items += answer["items"]
+            token = (json_object(answer.get("metadata"), "list metadata")).get("continue") or ""
+            if not token:
+                return items
+
+
+class KubeApi(RestCalls):
     """The few REST calls the scheduler makes, over urllib, with a bearer token or a client certificate."""
 
     def __init__(
@@ -90,32 +116,93 @@ class KubeApi:
         except ValueError:  # a proxy's HTML page, say
             raise ApiError(method, path, 200, "the answer is not JSON") from None
 
-    def list_items(self, path: str, page: int = 500) -> list[Any]:
-        """Every item of a list, page by page (limit/continue)."""
-        items: list[Any] = []
-        token = ""
-        while True:
-            query = {"limit": str(page)} | ({"continue": token} if token else {})
-            answer = self.request("GET", f"{path}?{urllib.parse.urlencode(query)}")
-            if not isinstance(answer, Mapping) or not isinstance(answer.get("items"), list):
-                raise ApiError("GET", path, 200, "the answer is not a list object (items missing)")
-            items += answer["items"]
-            token = (json_object(answer.get("metadata"), "list metadata")).get("continue") or ""
-            if not token:
-                return items
-
 
 def _status_message(exc: urllib.error.HTTPError) -> str:
     try:
-        status = json.loads(exc.read())
-        message = status.get("message") if isinstance(status, Mapping) else None
-    except (ValueError, OSError):
+        body = exc.read()
+    except OSError:
+        body = b""
+    return status_message(exc.code, body, str(exc.reason))
+
+
+def status_message(status: int, body: bytes, reason: str) -> str:
+    """The API server's own message (a Status object's), and what to check for 401 and 403."""
+    try:
+        answer = json.loads(body)
+        message = answer.get("message") if isinstance(answer, Mapping) else None
+    except ValueError:
         message = None
     hint = {
         401: " (the credentials are not accepted)",
         403: " (RBAC: see deploy/scheduler/pffs-scheduler.yaml)",
     }
-    return f"{message or exc.reason}{hint.get(exc.code, '')}"
+    return f"{message or reason}{hint.get(status, '')}"
+
+
+class ClientApi(RestCalls):
+    """The same calls through the official `kubernetes` client's authentication: what a kubeconfig with an
+    exec credential plugin or an auth provider needs (EKS, GKE, AKS, OIDC), whose tokens the client gets
+    from the plugin and refreshes before they expire."""
+
+    def __init__(self, api_client: Any, timeout: float = 30.0) -> None:
+        self.client = api_client
+        self.server = str(api_client.configuration.host).rstrip("/")
+        self.timeout = timeout
+
+    def __repr__(self) -> str:  # never the token
+        return f"ClientApi({self.server!r})"
+
+    def request(
+        self, method: str, path: str, body: Any = None, content_type: str = "application/json"
+    ) -> Any:
+        resource, _, query = path.partition("?")
+        headers = {"Accept": "application/json", "User-Agent": "pffs-scheduler"}
+        if body is not None:
+            headers["Content-Type"] = content_type
+        try:
+            method, url, headers, data, _ = self.client.param_serialize(
+                method,
+                resource,
+                query_params=urllib.parse.parse_qsl(query),
+                header_params=headers,
+                body=body,
+                auth_settings=["BearerToken"],
+            )
+            response = self.client.call_api(
+                method, url, header_params=headers, body=data, _request_timeout=self.timeout
+            )
+            payload = response.read()
+        except Exception as exc:  # urllib3's, or the exec plugin's own failure: one line, no token
+            raise ApiError(method, path, 0, f"cannot reach {self.server}: {type(exc).__name__}") from None
+        if response.status >= 400:
+            raise ApiError(
+                method, path, response.status, status_message(response.status, payload, response.reason)
+            )
+        try:
+            return json.loads(payload) if payload else None
+        except ValueError:
+            raise ApiError(method, path, response.status, "the answer is not JSON") from None
+
+
+def plugin_kubeconfig_api(path: Path, context_name: str | None, where: str) -> ClientApi:
+    """A kubeconfig whose user runs an exec plugin or an auth provider, through the official client."""
+    from kubernetes import client, config
+
+    configuration = client.Configuration()
+    try:
+        config.load_kube_config(
+            config_file=str(path), context=context_name, client_configuration=configuration
+        )
+        configuration.auth_settings()  # runs the plugin now: a broken one fails at start, in one line
+    except Exception as exc:  # ConfigException, or the plugin failing: its message names no secret
+        raise BadObject(f"{where}: the kubeconfig's credential plugin failed: {exc}") from None
+    # The client logs a plugin that fails and goes on without credentials: refuse that here.
+    if not (configuration.api_key.get("BearerToken") or configuration.cert_file):
+        raise BadObject(
+            f"{where}: the kubeconfig's credential plugin failed: it gave no token or client certificate "
+            "(its own message is logged above)"
+        )
+    return ClientApi(client.ApiClient(configuration))
 
 
 SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")  # what the kubelet mounts
@@ -140,11 +227,12 @@ def in_cluster_api() -> KubeApi:
     return KubeApi(f"https://{host}:{port}", context=context, token_file=str(account / "token"))
 
 
-def kubeconfig_api(path: Path, context_name: str | None = None) -> KubeApi:
+def kubeconfig_api(path: Path, context_name: str | None = None) -> RestCalls:
     """The API server and credentials of a kubeconfig's current (or named) context.
 
-    Supports token, tokenFile, client certificate and key (files or -data), certificate-authority(-data) and
-    insecure-skip-tls-verify; exec and auth-provider plugins are not supported (use a token instead)."""
+    Token, tokenFile, client certificate and key (files or -data), certificate-authority(-data) and
+    insecure-skip-tls-verify are read here; a user with an exec credential plugin or an auth provider goes
+    through the official client (ClientApi), which runs the plugin and refreshes its tokens."""
     import yaml
 
     where = str(path)
@@ -170,9 +258,7 @@ def kubeconfig_api(path: Path, context_name: str | None = None) -> KubeApi:
     if not isinstance(server, str) or not server:
         raise BadObject(f"{where}: cluster {ctx.get('cluster')!r} has no server")
     if "exec" in user or "auth-provider" in user:
-        raise BadObject(
-            f"{where}: user {ctx.get('user')!r} uses an exec/auth-provider plugin: give it a token"
-        )
+        return plugin_kubeconfig_api(path, context_name, where)
     base = path.parent
     context = None
     if server.startswith("https:"):
