@@ -85,6 +85,7 @@ def make_node(
     cpu: str = "8",
     labels: dict[str, str] | None = None,
     annotations: dict[str, str] | None = None,
+    gpus: int = 0,
 ) -> None:
     """A plain Node object that kube-scheduler can bind to: capacity, Ready, and no not-ready taint."""
     from kubernetes import client
@@ -93,7 +94,9 @@ def make_node(
     core.create_node(
         {"metadata": {"name": name, "labels": labels or {}, "annotations": annotations or {}}, "spec": {}}
     )
-    resources = {"cpu": cpu, "memory": "32Gi", "pods": "110"}
+    resources = {"cpu": cpu, "memory": "32Gi", "pods": "110"} | (
+        {"nvidia.com/gpu": str(gpus)} if gpus else {}
+    )
     ready = {
         "type": "Ready",
         "status": "True",
@@ -449,3 +452,115 @@ def test_pffs_scheduler_signs_in_through_an_exec_credential_plugin(
     assert calls.read_text().count("called") >= 1  # the plugin gave the token
     assert cluster.token not in run.stdout + run.stderr
     assert core.read_namespaced_pod("exec-placed", "default").spec.node_name, run.stdout[-2000:]
+
+
+# 2. pffs scheduler: gangs whole, ToR and warm-cache preferences, quotas, and why a group waits
+
+
+def test_pffs_scheduler_binds_gangs_whole_prefers_one_tor_and_warm_nodes_and_says_why_groups_wait(
+    cluster: KubeControlPlane, tmp_path: Path
+) -> None:
+    from kubernetes import client
+
+    dataset = "s3://warm/coco"
+    warm = json.dumps({"datasets": {dataset: {"cached_bytes": 10, "total_bytes": 10}}})
+    cold = json.dumps({"datasets": {}})
+    for name, tor, report in (
+        ("g1", "tor-a", cold),
+        ("g2", "tor-a", cold),
+        ("g3", "tor-b", warm),
+        ("g4", "tor-b", cold),
+    ):
+        make_node(
+            cluster.api(),
+            f"gang-{name}",
+            cpu="64",
+            gpus=4,
+            labels={"pffs.io/tor": tor},
+            annotations={CACHE_ANNOTATION: report},
+        )
+    queues = tmp_path / "queues.yaml"
+    queues.write_text(
+        yaml.safe_dump(
+            {
+                "queues": [
+                    {"name": "default", "weight": 1, "capability": {"nvidia.com/gpu": 64}},
+                    {"name": "small", "weight": 1, "capability": {"nvidia.com/gpu": 2}, "overcommit": False},
+                ]
+            }
+        )
+    )
+    core = client.CoreV1Api(cluster.api())
+
+    def gang_pod(name: str, group: str, size: int, gpus: int, **extra: Any) -> dict[str, Any]:
+        labels = {"scheduling.x-k8s.io/pod-group": group} | extra.get("labels", {})
+        annotations = {"pffs.io/min-member": str(size)} | extra.get("annotations", {})
+        return {
+            "metadata": {"name": name, "labels": labels, "annotations": annotations},
+            "spec": {
+                "schedulerName": "pffs-scheduler",
+                "containers": [
+                    {
+                        "name": "c",
+                        "image": "busybox:1.36",
+                        "resources": {"limits": {"nvidia.com/gpu": str(gpus)}, "requests": {"cpu": "1"}},
+                    }
+                ],
+            },
+        }
+
+    def node_of(name: str) -> str | None:
+        return core.read_namespaced_pod(name, "default").spec.node_name
+
+    def waiting_reason(name: str) -> str | None:
+        for condition in core.read_namespaced_pod(name, "default").status.conditions or []:
+            if condition.type == "PodScheduled" and condition.status == "False":
+                return f"{condition.reason}: {condition.message}"
+        return None
+
+    with open(tmp_path / "pffs-scheduler.log", "ab") as log:
+        scheduler = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "pffs.cli.main",
+                "scheduler",
+                "--kubeconfig",
+                str(cluster.kubeconfig),
+                "--queues",
+                str(queues),
+                "--interval",
+                "1",
+                "-v",
+            ],
+            stderr=log,
+        )
+    try:
+        # Locality: one GPU for a pod that reads the dataset goes to the node that holds it.
+        core.create_namespaced_pod(
+            "default", gang_pod("warm-reader", "warm", 1, 1, annotations={"pffs.io/datasets": dataset})
+        )
+        assert wait_for("warm-reader bound", lambda: node_of("warm-reader")) == "gang-g3"
+        # A pair of 4-GPU workers: two whole nodes under one ToR switch (g1 + g2), not split across two.
+        for i in range(2):
+            core.create_namespaced_pod("default", gang_pod(f"pair-{i}", "pair", 2, 4))
+        placed = {wait_for(f"pair-{i} bound", lambda i=i: node_of(f"pair-{i}")) for i in range(2)}
+        assert placed == {"gang-g1", "gang-g2"}
+        # A gang of three 4-GPU workers: only g4 has 4 GPUs free now: none is bound, each says why.
+        for i in range(3):
+            core.create_namespaced_pod("default", gang_pod(f"big-{i}", "big", 3, 4))
+        reasons = [
+            wait_for(f"big-{i} marked unschedulable", lambda i=i: waiting_reason(f"big-{i}"))
+            for i in range(3)
+        ]
+        assert all(node_of(f"big-{i}") is None for i in range(3)), "part of a gang was bound"
+        assert all(reason and "Unschedulable" in reason for reason in reasons), reasons
+        # A queue's quota: 4 GPUs in a queue capped at 2 wait, saying so.
+        core.create_namespaced_pod(
+            "default", gang_pod("greedy", "greedy", 1, 4, labels={"pffs.io/queue": "small"})
+        )
+        reason = wait_for("greedy marked unschedulable", lambda: waiting_reason("greedy"))
+        assert node_of("greedy") is None and "gpu" in reason.lower(), reason
+    finally:
+        scheduler.terminate()
+        scheduler.wait(timeout=15)
