@@ -26,10 +26,10 @@ from tqdm import tqdm
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from pffs.scheduler.model import Cluster, PodList  # noqa: E402
-from pffs.scheduler.policies import POLICIES  # noqa: E402
-from pffs.scheduler.simulate import ReplayResult, replay  # noqa: E402
-from pffs.scheduler.traces import load_nodes, load_pods  # noqa: E402
+from pffs.scheduler.replay.model import Cluster, PodList  # noqa: E402
+from pffs.scheduler.replay.policies import POLICIES  # noqa: E402
+from pffs.scheduler.replay.simulate import ReplayResult, replay  # noqa: E402
+from pffs.scheduler.replay.traces import load_nodes, load_pods  # noqa: E402
 
 NODE_FILE = "openb_node_list_gpu_node.csv"
 MAIN_TRACES = ("default", "gpushare100")
@@ -82,8 +82,8 @@ def summarize(results: list[ReplayResult]) -> dict[str, Any]:
 def session_speed(cluster: Cluster, trace: PodList, pods: int = 2000) -> dict[str, float]:
     """Pods/s of the gang core (``run_session``) placing the trace's first pods, each its own group, then
     8-pod gangs, on the trace cluster in one session (NVLink groups of 4, 16 nodes per ToR)."""
-    from pffs.scheduler.objects import Gpu, Node, Pod, PodGroup, Queue
-    from pffs.scheduler.session import run_session
+    from pffs.scheduler.core.objects import Gpu, Node, Pod, PodGroup, Queue
+    from pffs.scheduler.core.session import run_session
 
     nodes = [
         Node(

@@ -8,7 +8,7 @@
     gang-aware scheduling (run_session, one PodGroup per job) and under a gang-less kube-scheduler (pods
     one at a time in queue order, no reservation, failed pods back off and wait for a pod to leave, partial
     gangs hold their GPUs idle, a partial gang restarts after --timeout seconds; see
-    pffs/scheduler/synthetic.py), both over pffs's node scores; on --seeds seeds, then the first seed
+    pffs/scheduler/replay/synthetic.py), both over pffs's node scores; on --seeds seeds, then the first seed
     gang-less without the timeout, and gang-aware with 20% high-priority jobs to count gang preemptions
     (each must evict whole groups). Runs stop 12 h after the last arrival.
 (b) locality: 16 nodes x 8 GPUs with a --cache-tb LRU dataset cache each; hyper-parameter sweeps (4-12
@@ -34,8 +34,8 @@ from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
-from pffs.scheduler.session import Weights
-from pffs.scheduler.synthetic import (
+from pffs.scheduler.core.session import Weights
+from pffs.scheduler.replay.synthetic import (
     COLD_MBPS,
     START_TIMEOUT,
     WARM_MBPS,

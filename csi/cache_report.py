@@ -1,6 +1,6 @@
 """The node's cache report: what its pffs cache holds of each dataset staged here, published on the Node
 object as the annotation `pffs.io/cache`, in the JSON that `pffs extender` and `pffs scheduler` read
-(pffs.scheduler.locality.node_cache):
+(pffs.scheduler.kube.locality.node_cache):
 
     {"datasets": {"s3://bucket/prefix": {"cached_bytes": N, "total_bytes": M}},
      "capacity_bytes": C, "used_bytes": U, "updated_at": "2026-11-25T10:00:00Z"}
@@ -25,7 +25,7 @@ from pffs.csi.attributes import backend_options, parse_attributes, parse_credent
 from pffs.csi.metrics import PluginMetrics
 from pffs.csi.periodic import Periodic
 from pffs.csi.volumes import VolumeManager
-from pffs.scheduler.locality import CACHE_ANNOTATION, normalize_dataset
+from pffs.scheduler.kube.locality import CACHE_ANNOTATION, normalize_dataset
 from pffs.vfs import Vfs
 
 log = logging.getLogger(__name__)

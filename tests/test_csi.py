@@ -33,7 +33,7 @@ from mounts import drop_page_cache
 
 from pffs.csi import csi_pb2
 from pffs.processes import is_alive
-from pffs.scheduler.locality import CACHE_ANNOTATION, node_cache
+from pffs.scheduler.kube.locality import CACHE_ANNOTATION, node_cache
 from pffs.testing.csi_plugin import CsiPlugin, holds_files_under, processes_with_files_under, wait_gone
 from pffs.testing.kubeconfig import token_kubeconfig
 from pffs.testing.s3_server import SeaweedS3, free_ports

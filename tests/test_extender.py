@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from pffs.scheduler.extender import MAX_BODY, make_server
+from pffs.scheduler.kube.extender import MAX_BODY, make_server
 from pffs.testing.s3_server import free_ports
 
 GIB = 1 << 30

@@ -25,7 +25,7 @@ import yaml
 from helpers import sha256
 
 from pffs.csi import csi_pb2
-from pffs.scheduler.locality import CACHE_ANNOTATION, node_cache
+from pffs.scheduler.kube.locality import CACHE_ANNOTATION, node_cache
 from pffs.testing.csi_plugin import CsiPlugin
 from pffs.testing.kube_cluster import KubeControlPlane, missing_binaries
 from pffs.testing.s3_server import SeaweedS3, free_ports

@@ -29,19 +29,16 @@ import yaml
 from helpers import FakeHttpServer, JsonHandler
 
 from pffs.cli.main import main
-from pffs.scheduler.kube import (
-    BadObject,
-    Scheduler,
-    build_snapshot,
-    node_from_json,
-    parse_quantity,
-    pod_from_json,
-    pod_requests,
-    tolerates,
-)
-from pffs.scheduler.kube_api import ApiError, KubeApi, kubeconfig_api
-from pffs.scheduler.objects import MILLI, UNLIMITED, Gpu, Queue, Resources
-from pffs.scheduler.queues_config import QueuesConfigError, load_queues, parse_queues
+from pffs.scheduler.core.objects import MILLI, UNLIMITED, Gpu, Queue, Resources
+from pffs.scheduler.kube.api_client import ApiError, KubeApi, kubeconfig_api
+from pffs.scheduler.kube.json_fields import BadObject
+from pffs.scheduler.kube.loop import Scheduler
+from pffs.scheduler.kube.nodes import node_from_json
+from pffs.scheduler.kube.pods import pod_from_json, pod_requests
+from pffs.scheduler.kube.quantity import parse_quantity
+from pffs.scheduler.kube.queues_config import QueuesConfigError, load_queues, parse_queues
+from pffs.scheduler.kube.snapshot import build_snapshot
+from pffs.scheduler.kube.taints import tolerates
 from pffs.testing.kubeconfig import token_kubeconfig
 from pffs.testing.s3_server import free_ports
 
@@ -1252,7 +1249,7 @@ def test_extender_lists_node_reports_for_names_only_requests_fake_apiserver(
 def test_in_cluster_without_a_readable_ca_is_one_clear_error(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from pffs.scheduler import kube_api
+    from pffs.scheduler.kube import api_client as kube_api
 
     monkeypatch.setattr(kube_api, "SERVICE_ACCOUNT_DIR", tmp_path)
     monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.96.0.1")

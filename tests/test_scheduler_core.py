@@ -9,10 +9,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pffs.scheduler import scoring
-from pffs.scheduler.objects import MILLI, Gpu, Node, Placement, Pod, PodGroup, Queue, Resources
-from pffs.scheduler.session import SessionResult, Weights, run_session
-from pffs.scheduler.synthetic import Job, make_cluster, simulate
+from pffs.scheduler.core import scoring
+from pffs.scheduler.core.objects import MILLI, Gpu, Node, Placement, Pod, PodGroup, Queue, Resources
+from pffs.scheduler.core.session import SessionResult, Weights, run_session
+from pffs.scheduler.replay.synthetic import Job, make_cluster, simulate
 
 # --- builders ----------------------------------------------------------------------------------------
 
@@ -661,7 +661,7 @@ def test_edge_cases_do_not_crash() -> None:
     assert over_allocated([gpu_node("n0")], [p for p in after(running, result) if p.node == "n0"]) == []
 
 
-# --- the synthetic simulations (pffs/scheduler/synthetic.py) ------------------------------------------
+# --- the synthetic simulations (pffs/scheduler/replay/synthetic.py) -----------------------------------
 
 
 def test_simulation_gang_aware_never_holds_a_partial_gang_and_gangless_does() -> None:

@@ -13,13 +13,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pffs.cli.main import main as pffs_main
-from pffs.scheduler import metrics
-from pffs.scheduler.fragmentation import TypicalShapes
-from pffs.scheduler.go_rand import GoRand
-from pffs.scheduler.model import ANY_MODEL, MILLI, Cluster, Pod, PodList
-from pffs.scheduler.policies import POLICIES, BestFitPolicy, FgdPolicy, PffsPolicy, make_policy
-from pffs.scheduler.simulate import replay
-from pffs.scheduler.traces import load_nodes, load_pods, replay_order
+from pffs.scheduler.core.fragmentation import ANY_MODEL, TypicalShapes
+from pffs.scheduler.replay import metrics
+from pffs.scheduler.replay.go_rand import GoRand
+from pffs.scheduler.replay.model import MILLI, Cluster, Pod, PodList
+from pffs.scheduler.replay.policies import POLICIES, BestFitPolicy, FgdPolicy, PffsPolicy, make_policy
+from pffs.scheduler.replay.simulate import replay
+from pffs.scheduler.replay.traces import load_nodes, load_pods, replay_order
 
 # Research-use data, read in place: beside the checkout (../shared), or where this workplace keeps it.
 TRACES = next(

@@ -21,7 +21,7 @@ expected-fragmentation idea, measured as the GPUs a node strands when filled wit
 
 
 def add_parsers(sub: Any, verbosity: argparse.ArgumentParser) -> None:
-    from pffs.scheduler.policies import POLICIES
+    from pffs.scheduler.replay.policies import POLICIES
 
     # No cache or backend options here: a replay touches neither.
     sched = sub.add_parser(
@@ -59,8 +59,8 @@ def add_parsers(sub: Any, verbosity: argparse.ArgumentParser) -> None:
 
 def simulate(args: argparse.Namespace) -> int:
     from pffs.cli.errors import UsageError
-    from pffs.scheduler.simulate import REPORT_LEVELS, replay
-    from pffs.scheduler.traces import TraceError, load_nodes, load_pods
+    from pffs.scheduler.replay.simulate import REPORT_LEVELS, replay
+    from pffs.scheduler.replay.traces import TraceError, load_nodes, load_pods
 
     if not 0 < args.load <= 10:
         raise UsageError(f"--load must be in (0, 10], not {args.load}")

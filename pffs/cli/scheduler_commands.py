@@ -56,7 +56,7 @@ def add_parsers(sub: Any, verbosity: argparse.ArgumentParser) -> None:
 
 def extender(args: argparse.Namespace) -> int:
     from pffs.cli.errors import UsageError
-    from pffs.scheduler.extender import Extender, NodeWatcher, make_server
+    from pffs.scheduler.kube.extender import Extender, NodeWatcher, make_server
 
     if not 0 < args.port < 65536:
         raise UsageError(f"--port must be 1-65535, not {args.port}")
@@ -65,8 +65,8 @@ def extender(args: argparse.Namespace) -> int:
     service = Extender()
     watcher = None
     if args.kubeconfig or args.in_cluster:
-        from pffs.scheduler.kube import BadObject
-        from pffs.scheduler.kube_api import in_cluster_api, kubeconfig_api
+        from pffs.scheduler.kube.api_client import in_cluster_api, kubeconfig_api
+        from pffs.scheduler.kube.json_fields import BadObject
 
         try:
             api = in_cluster_api() if args.in_cluster else kubeconfig_api(args.kubeconfig, args.context)
@@ -136,9 +136,10 @@ def scheduler(args: argparse.Namespace) -> int:
     import threading
 
     from pffs.cli.errors import UsageError
-    from pffs.scheduler.kube import BadObject, Scheduler
-    from pffs.scheduler.kube_api import ApiError, in_cluster_api, kubeconfig_api
-    from pffs.scheduler.queues_config import QueuesConfigError, load_queues
+    from pffs.scheduler.kube.api_client import ApiError, in_cluster_api, kubeconfig_api
+    from pffs.scheduler.kube.json_fields import BadObject
+    from pffs.scheduler.kube.loop import Scheduler
+    from pffs.scheduler.kube.queues_config import QueuesConfigError, load_queues
 
     if not args.interval > 0:
         raise UsageError(f"--interval must be a positive number of seconds, not {args.interval}")
@@ -149,7 +150,7 @@ def scheduler(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from None
     session_weights = None
     if weights is not None:
-        from pffs.scheduler.session import Weights
+        from pffs.scheduler.core.session import Weights
 
         session_weights = Weights(**weights)
     sched = Scheduler(api, queues, weights=session_weights, scheduler_name=args.scheduler_name)
@@ -172,7 +173,7 @@ def scheduler(args: argparse.Namespace) -> int:
         )
         return 1 if report.errors else 0
     if args.metrics_port is not None:
-        from pffs.scheduler.prometheus import start_metrics_server
+        from pffs.scheduler.kube.prometheus import start_metrics_server
 
         if not 0 < args.metrics_port < 65536:
             raise UsageError(f"--metrics-port must be 1-65535, not {args.metrics_port}")

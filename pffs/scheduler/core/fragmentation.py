@@ -9,6 +9,10 @@ The arithmetic follows the reference simulator operation for operation (per-cate
 then the categories added in a fixed order) so that F is the same float64 there and here: FGD's score is an
 integer cut of sigmoid(dF / 1000), and a dF of exactly 0 (score 50) against a dF of 1e-13 (score 49) decides
 ties.
+
+Both floors above use it: the session's fragmentation score (``stranded``, through ``scoring.py``) and the
+trace replay's policies (FGD's ``fragmentation``, pffs's ``stranded``). It reads plain arrays, so the replay's
+``PodList`` and ``Cluster`` come in by shape (``PodColumns``, ``ModelMasks``) and nothing here imports them.
 """
 
 from __future__ import annotations
@@ -16,17 +20,36 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
-import numpy.typing as npt
 
-from pffs.scheduler.model import ANY_MODEL, Cluster, IntArray, PodList
+from pffs.scheduler.core.arrays import FloatArray, IntArray
 
-FloatArray = npt.NDArray[np.float64]
+ANY_MODEL = -1  # a model mask with every bit set: the pod (or shape) accepts any GPU model
 
 # The reference's fragment categories, in the order their sums are added (Q3, "satisfied", is not a fragment).
 LACK_BOTH, LACK_GPU, LACK_CPU, CPU_SHAPE_FITS, CPU_SHAPE_LACKS_CPU, NO_ACCESS = range(6)
 DEFAULT_POPULARITY = 95  # percent of the trace's pods the typical shapes must cover
+
+
+class PodColumns(Protocol):
+    """A trace's pods as columns (the replay's ``PodList``): what ``TypicalShapes.from_pods`` reads."""
+
+    @property
+    def cpu(self) -> IntArray: ...
+    @property
+    def share(self) -> IntArray: ...
+    @property
+    def count(self) -> IntArray: ...
+    @property
+    def specs(self) -> list[str]: ...
+
+
+class ModelMasks(Protocol):
+    """Turns a pod's GPU spec into model bits (the replay's ``Cluster``)."""
+
+    def model_mask(self, spec: str) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -41,7 +64,7 @@ class TypicalShapes:
 
     @classmethod
     def from_pods(
-        cls, pods: PodList, cluster: Cluster, popularity: int = DEFAULT_POPULARITY
+        cls, pods: PodColumns, cluster: ModelMasks, popularity: int = DEFAULT_POPULARITY
     ) -> TypicalShapes:
         """Shapes (cpu, share, count, gpu_spec) by descending frequency, CPU-only ones included, until they
         cover ``popularity`` percent of the pods; probabilities renormalised over the shapes kept."""

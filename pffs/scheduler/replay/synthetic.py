@@ -44,8 +44,9 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from pffs.scheduler.objects import MILLI, Gpu, Node, Placement, Pod, PodGroup, Queue
-from pffs.scheduler.session import ClusterState, Weights, run_session
+from pffs.scheduler.core.objects import MILLI, Gpu, Node, Placement, Pod, PodGroup, Queue
+from pffs.scheduler.core.session import Weights, run_session
+from pffs.scheduler.core.state import ClusterState
 
 COLD_MBPS = 473.0  # pffs mount, 1 GiB, cold from S3 (bench/results/mounts.json)
 WARM_MBPS = 1363.0  # pffs mount, 1 GiB, warm from the disk cache after a remount (same file)

@@ -26,8 +26,9 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from pffs.scheduler.kube import BadObject, parse_quantity
-from pffs.scheduler.objects import MILLI, UNLIMITED, Queue, Resources
+from pffs.scheduler.core.objects import MILLI, UNLIMITED, Queue, Resources
+from pffs.scheduler.kube.json_fields import BadObject
+from pffs.scheduler.kube.quantity import parse_quantity
 
 DEFAULT_QUEUE = "default"
 RESOURCE_KEYS = ("cpu", "memory", "nvidia.com/gpu")

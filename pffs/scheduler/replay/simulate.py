@@ -14,10 +14,10 @@ from typing import Any
 
 import numpy as np
 
-from pffs.scheduler import metrics
-from pffs.scheduler.model import Cluster, IntArray, PodList
-from pffs.scheduler.policies import make_policy
-from pffs.scheduler.traces import DEFAULT_RATIO, replay_order
+from pffs.scheduler.replay import metrics
+from pffs.scheduler.replay.model import Cluster, IntArray, PodList
+from pffs.scheduler.replay.policies import make_policy
+from pffs.scheduler.replay.traces import DEFAULT_RATIO, replay_order
 
 REPORT_LEVELS = (100, 130)
 

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-from pffs.scheduler.go_rand import GoRand
-from pffs.scheduler.model import MILLI, Cluster, IntArray, PodList
+from pffs.scheduler.replay.go_rand import GoRand
+from pffs.scheduler.replay.model import MILLI, Cluster, IntArray, PodList
 
 NODE_COLUMNS = ("sn", "cpu_milli", "memory_mib", "gpu", "model")
 POD_COLUMNS = ("name", "cpu_milli", "memory_mib", "num_gpu", "gpu_milli")

@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
+from pffs.scheduler.core.fragmentation import ANY_MODEL
+
 MILLI = 1000
-ANY_MODEL = -1  # every bit set: the pod accepts any GPU model
 
 IntArray = npt.NDArray[np.int64]
 BoolArray = npt.NDArray[np.bool_]

@@ -26,27 +26,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
-import numpy.typing as npt
 
-from pffs.scheduler.objects import MILLI, Pod, PodGroup
+from pffs.scheduler.core.arrays import FloatArray, IntArray
+from pffs.scheduler.core.objects import MILLI, Pod, PodGroup, is_sharing, uses_gpus
 
 if TYPE_CHECKING:
-    from pffs.scheduler.fragmentation import TypicalShapes
-    from pffs.scheduler.session import ClusterState
-
-IntArray = npt.NDArray[np.int64]
-FloatArray = npt.NDArray[np.float64]
-BoolArray = npt.NDArray[np.bool_]
+    from pffs.scheduler.core.fragmentation import TypicalShapes
+    from pffs.scheduler.core.state import ClusterState
 
 BIG = 2**40  # "unbounded" fit count for a resource a shape does not ask for
-
-
-def is_sharing(pod: Pod) -> bool:
-    return pod.gpu_count == 1 and 0 < pod.gpu_milli < MILLI
-
-
-def uses_gpus(pod: Pod) -> bool:
-    return pod.gpu_count > 0 and pod.gpu_milli > 0
 
 
 @dataclass

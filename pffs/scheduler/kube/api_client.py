@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from pffs.scheduler.locality import BadObject, json_list, json_object
+from pffs.scheduler.kube.json_fields import BadObject, json_list, json_object
 
 log = logging.getLogger(__name__)
 

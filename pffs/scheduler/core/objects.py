@@ -1,8 +1,8 @@
 """The scheduling core's vocabulary: nodes with their GPUs, pods, pod groups, queues, and placements.
 
-Plain dataclasses, no Kubernetes types: the adapters (``kube.py``, the extender) translate Kubernetes objects
-into these, and the core (``session.py``) works on them alone. Units are integers: milli-CPU, MiB of memory,
-milli-GPU (a whole GPU is ``MILLI``).
+Plain dataclasses, no Kubernetes types: the Kubernetes edge (``kube/nodes.py``, ``kube/pods.py``,
+``kube/groups.py``) translates Kubernetes objects into these, and the core (``session.py``) works on them
+alone. Units are integers: milli-CPU, MiB of memory, milli-GPU (a whole GPU is ``MILLI``).
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ class Gpu:
 
 @dataclass
 class Node:
-    """A node's capacity, topology and what its pffs cache holds. Free amounts live in the session's state."""
+    """A node's capacity, topology and what its pffs cache holds. Free amounts live in ``ClusterState``."""
 
     name: str
     cpu_milli: int
@@ -91,6 +91,14 @@ class Pod:
     @property
     def request(self) -> Resources:
         return Resources(self.cpu_milli, self.memory_mib, self.gpu_count * self.gpu_milli)
+
+
+def is_sharing(pod: Pod) -> bool:
+    return pod.gpu_count == 1 and 0 < pod.gpu_milli < MILLI
+
+
+def uses_gpus(pod: Pod) -> bool:
+    return pod.gpu_count > 0 and pod.gpu_milli > 0
 
 
 @dataclass

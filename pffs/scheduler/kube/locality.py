@@ -5,6 +5,9 @@ annotation `pffs.io/cache`: JSON `{"datasets": {DATASET: {"cached_bytes": N, "to
 DATASET is the dataset's source URL (`s3://bucket/prefix`). A pod names the datasets it reads in its
 annotation `pffs.io/datasets` (comma-separated URLs), and pffs CSI inline volumes name theirs in their
 `source` volume attribute. Everything here reads plain Kubernetes JSON (dicts): no client library.
+
+The CSI node plugin writes the report (``csi/cache_report.py``, with the names from here); `pffs scheduler`
+(``nodes.py``, ``pods.py``) and `pffs extender` (``extender.py``) read it.
 """
 
 from __future__ import annotations
@@ -14,13 +17,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from pffs.scheduler.kube.json_fields import BadObject, json_object
+
 CACHE_ANNOTATION = "pffs.io/cache"
 DATASETS_ANNOTATION = "pffs.io/datasets"
 CSI_DRIVER = "csi.pffs.io"
-
-
-class BadObject(ValueError):
-    """A Kubernetes object that is not shaped as the API defines it."""
 
 
 @dataclass(frozen=True)
@@ -39,24 +40,6 @@ def normalize_dataset(url: str) -> str:
     """One spelling per dataset: no trailing slash, s3a:// as s3://."""
     url = url.strip().rstrip("/")
     return "s3://" + url[len("s3a://") :] if url.startswith("s3a://") else url
-
-
-def json_object(value: Any, what: str) -> Mapping[str, Any]:
-    """``value`` as a JSON object ({} for null), or BadObject naming ``what``."""
-    if value is None:
-        return {}
-    if not isinstance(value, Mapping):
-        raise BadObject(f"{what} must be an object, not {type(value).__name__}")
-    return value
-
-
-def json_list(value: Any, what: str) -> list[Any]:
-    """``value`` as a JSON list ([] for null), or BadObject naming ``what``."""
-    if value is None:
-        return []
-    if not isinstance(value, list):
-        raise BadObject(f"{what} must be a list, not {type(value).__name__}")
-    return value
 
 
 def pod_datasets(pod: Mapping[str, Any]) -> list[str]:

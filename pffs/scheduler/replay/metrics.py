@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pffs.scheduler.model import MILLI, IntArray
+from pffs.scheduler.replay.model import MILLI, IntArray
 
 
 def arrived_percent(arrived: IntArray, capacity_milli: int) -> np.ndarray:

@@ -24,9 +24,9 @@ from typing import Protocol
 
 import numpy as np
 
-from pffs.scheduler.fragmentation import TypicalShapes
-from pffs.scheduler.go_rand import GoRand
-from pffs.scheduler.model import MILLI, Cluster, IntArray, Pod, PodList
+from pffs.scheduler.core.fragmentation import TypicalShapes
+from pffs.scheduler.replay.go_rand import GoRand
+from pffs.scheduler.replay.model import MILLI, Cluster, IntArray, Pod, PodList
 
 MAX_SCORE = 100
 MAX_SPEC_CPU = 128_000  # the scores' normalisation constants (the reference's largest node)

@@ -24,7 +24,8 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from pffs.scheduler.locality import BadObject, CachedDataset, locality, node_cache, pod_datasets
+from pffs.scheduler.kube.json_fields import BadObject
+from pffs.scheduler.kube.locality import CachedDataset, locality, node_cache, pod_datasets
 
 log = logging.getLogger(__name__)
 

@@ -45,11 +45,23 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from pffs.scheduler import scoring
-from pffs.scheduler.fragmentation import TypicalShapes
-from pffs.scheduler.model import ANY_MODEL
-from pffs.scheduler.objects import MILLI, RESOURCE_NAMES, Node, Placement, Pod, PodGroup, Queue, Resources
-from pffs.scheduler.scoring import BoolArray, FloatArray, GroupContext, IntArray, is_sharing, uses_gpus
+from pffs.scheduler.core import scoring
+from pffs.scheduler.core.arrays import BoolArray, FloatArray
+from pffs.scheduler.core.fragmentation import ANY_MODEL, TypicalShapes
+from pffs.scheduler.core.objects import (
+    MILLI,
+    RESOURCE_NAMES,
+    Node,
+    Placement,
+    Pod,
+    PodGroup,
+    Queue,
+    Resources,
+    is_sharing,
+    uses_gpus,
+)
+from pffs.scheduler.core.scoring import GroupContext
+from pffs.scheduler.core.state import ClusterState
 
 
 @dataclass
@@ -75,151 +87,33 @@ def _usage_key(r: Resources) -> tuple[int, int, int]:
     return (r.cpu_milli, r.memory_mib, r.gpu_milli)
 
 
-class ClusterState:
-    """What is free on each node (NumPy arrays indexed by node, sorted by name) and each queue's usage.
-
-    Changed only through ``assign`` and ``unassign``, which are exact inverses, so a tentative gang is
-    rolled back by undoing its assignments."""
-
-    def __init__(self, nodes: Sequence[Node]) -> None:
-        self.nodes = sorted(nodes, key=lambda n: n.name)
-        self.index = {n.name: i for i, n in enumerate(self.nodes)}
-        width = max((len(n.gpus) for n in self.nodes), default=0) or 1
-        n_nodes = len(self.nodes)
-        self.cpu_cap = np.array([n.cpu_milli for n in self.nodes], dtype=np.int64)
-        self.mem_cap = np.array([n.memory_mib for n in self.nodes], dtype=np.int64)
-        self.gpu_count = np.array([len(n.gpus) for n in self.nodes], dtype=np.int64)
-        self.cpu_free = self.cpu_cap.copy()
-        self.mem_free = self.mem_cap.copy()
-        slots = np.arange(width)
-        self.gpu_free = np.where(slots[None, :] < self.gpu_count[:, None], MILLI, 0).astype(np.int64)
-        # GPU index (as Placement names it) <-> slot in the node's row
-        self.slot_of = [{g.index: s for s, g in enumerate(n.gpus)} for n in self.nodes]
-        self.nvlink_onehot = self._onehot([[g.nvlink_group for g in n.gpus] for n in self.nodes], width)
-        self.numa_onehot = self._onehot([[g.numa for g in n.gpus] for n in self.nodes], width)
-        self.tors = sorted({n.tor for n in self.nodes})
-        tor_id = {t: i for i, t in enumerate(self.tors)}
-        self.tor_idx = np.array([tor_id[n.tor] for n in self.nodes], dtype=np.int64)
-        self.schedulable = np.array([n.schedulable for n in self.nodes], dtype=bool)
-        self.group_nodes: dict[str, Counter[int]] = {}  # group -> node -> pods there (running and placed)
-        self.usage: dict[str, Resources] = {}  # queue -> requests of its running and placed pods
-        self.queue_of: dict[str, str] = {}  # group -> queue
-        self.typical: TypicalShapes | None = None
-        self._static: dict[tuple[object, ...], BoolArray] = {}
-        # Per node, the last change (a tick of ``assign``/``unassign``): scores cached per pod shape are
-        # recomputed only for the nodes that changed since (one or two per placement).
-        self.version = np.zeros(n_nodes, dtype=np.int64)
-        self._tick = 0
-        self.score_cache: dict[tuple[object, ...], tuple[FloatArray, IntArray]] = {}
-        self.totals = Resources(
-            int(self.cpu_cap.sum()), int(self.mem_cap.sum()), int(self.gpu_count.sum()) * MILLI
-        )
-        self.n_nodes = n_nodes
-
-    @staticmethod
-    def _onehot(ids: list[list[int]], width: int) -> IntArray:
-        distinct = sorted({i for row in ids for i in row}) or [0]
-        pos = {v: k for k, v in enumerate(distinct)}
-        out = np.zeros((len(ids), width, len(distinct)), dtype=np.int64)
-        for m, row in enumerate(ids):
-            for s, v in enumerate(row):
-                out[m, s, pos[v]] = 1
-        return out
-
-    def static_mask(self, pod: Pod) -> BoolArray:
-        """Nodes the pod may ever use: schedulable, labels match, GPU model accepted."""
-        key = (tuple(sorted(pod.node_selector.items())), pod.gpu_models if uses_gpus(pod) else frozenset())
-        mask = self._static.get(key)
-        if mask is None:
-            mask = self.schedulable.copy()
-            for i, node in enumerate(self.nodes):
-                if any(node.labels.get(k) != v for k, v in pod.node_selector.items()) or (
-                    uses_gpus(pod) and pod.gpu_models and node.gpu_model not in pod.gpu_models
-                ):
-                    mask[i] = False
-            self._static[key] = mask
-        return mask
-
-    def fits(self, pod: Pod) -> BoolArray:
-        """Nodes that can take the pod now."""
-        ok = self.static_mask(pod) & (self.cpu_free >= pod.cpu_milli) & (self.mem_free >= pod.memory_mib)
-        if uses_gpus(pod):
-            if pod.gpu_milli > MILLI:
-                return np.zeros(self.n_nodes, dtype=bool)
-            if is_sharing(pod):
-                ok &= (self.gpu_free >= pod.gpu_milli).any(axis=1)
-            else:
-                ok &= (self.gpu_free >= MILLI).sum(axis=1) >= pod.gpu_count
-        return ok
-
-    def _touch(self, node: int) -> None:
-        self._tick += 1
-        self.version[node] = self._tick
-
-    def assign(self, node: int, pod: Pod, slots: tuple[int, ...]) -> None:
-        self._touch(node)
-        self.cpu_free[node] -= pod.cpu_milli
-        self.mem_free[node] -= pod.memory_mib
-        for s in slots:
-            self.gpu_free[node, s] -= pod.gpu_milli
-        self.group_nodes.setdefault(pod.group, Counter())[node] += 1
-        self._add_usage(pod, +1)
-
-    def unassign(self, node: int, pod: Pod, slots: tuple[int, ...]) -> None:
-        self._touch(node)
-        self.cpu_free[node] += pod.cpu_milli
-        self.mem_free[node] += pod.memory_mib
-        for s in slots:
-            self.gpu_free[node, s] += pod.gpu_milli
-        counts = self.group_nodes[pod.group]
-        counts[node] -= 1
-        if counts[node] <= 0:
-            del counts[node]
-        self._add_usage(pod, -1)
-
-    def _add_usage(self, pod: Pod, sign: int) -> None:
-        queue = self.queue_of.get(pod.group)
-        if queue is None:
-            return
-        r = pod.request
-        old = self.usage.get(queue, Resources())
-        self.usage[queue] = old + r if sign > 0 else old - r
-
-    def share(self, queue: Queue) -> float:
-        """Dominant share of the cluster the queue uses, divided by its weight."""
-        used = self.usage.get(queue.name, Resources())
-        parts = [
-            getattr(used, r) / getattr(self.totals, r) for r in RESOURCE_NAMES if getattr(self.totals, r) > 0
-        ]
-        return max(parts, default=0.0) / max(queue.weight, 1)
-
-    def choose_gpus(self, node: int, pod: Pod, weights: Weights) -> tuple[int, ...]:
-        """The GPU slots the pod takes on ``node`` (it must fit there)."""
-        if not uses_gpus(pod):
-            return ()
-        free = self.gpu_free[node]
-        if is_sharing(pod):
-            cand = np.flatnonzero(free >= pod.gpu_milli)
-            if weights.fragmentation > 0:  # tightest fit: a partly used GPU before an empty one
-                return (int(cand[np.argmin(free[cand])]),)
-            return (int(cand[0]),)
-        full = np.flatnonzero(free >= MILLI)
-        k = pod.gpu_count
-        if weights.topology <= 0:
-            return tuple(int(s) for s in full[:k])
-        for onehot in (self.nvlink_onehot[node], self.numa_onehot[node]):
-            per = onehot[full].sum(axis=0)  # full GPUs per domain
-            ok = np.flatnonzero(per >= k)
-            if len(ok):
-                # best fit: the domain with fewest free GPUs that holds the pod keeps the roomier ones whole
-                dom = int(ok[np.argmin(per[ok])])
-                inside = full[onehot[full, dom] == 1]
-                return tuple(int(s) for s in inside[:k])
-        # no single domain: take from the NVLink groups with most free GPUs first (fewest groups spanned)
-        link = self.nvlink_onehot[node][full].argmax(axis=1)
-        per = np.bincount(link)
-        order = sorted(range(len(full)), key=lambda j: (-per[link[j]], link[j], full[j]))
-        return tuple(sorted(int(full[j]) for j in order[:k]))
+def choose_gpus(state: ClusterState, node: int, pod: Pod, weights: Weights) -> tuple[int, ...]:
+    """The GPU slots the pod takes on ``node`` (it must fit there)."""
+    if not uses_gpus(pod):
+        return ()
+    free = state.gpu_free[node]
+    if is_sharing(pod):
+        cand = np.flatnonzero(free >= pod.gpu_milli)
+        if weights.fragmentation > 0:  # tightest fit: a partly used GPU before an empty one
+            return (int(cand[np.argmin(free[cand])]),)
+        return (int(cand[0]),)
+    full = np.flatnonzero(free >= MILLI)
+    k = pod.gpu_count
+    if weights.topology <= 0:
+        return tuple(int(s) for s in full[:k])
+    for onehot in (state.nvlink_onehot[node], state.numa_onehot[node]):
+        per = onehot[full].sum(axis=0)  # full GPUs per domain
+        ok = np.flatnonzero(per >= k)
+        if len(ok):
+            # best fit: the domain with fewest free GPUs that holds the pod keeps the roomier ones whole
+            dom = int(ok[np.argmin(per[ok])])
+            inside = full[onehot[full, dom] == 1]
+            return tuple(int(s) for s in inside[:k])
+    # no single domain: take from the NVLink groups with most free GPUs first (fewest groups spanned)
+    link = state.nvlink_onehot[node][full].argmax(axis=1)
+    per = np.bincount(link)
+    order = sorted(range(len(full)), key=lambda j: (-per[link[j]], link[j], full[j]))
+    return tuple(sorted(int(full[j]) for j in order[:k]))
 
 
 @dataclass
@@ -291,7 +185,7 @@ class _Session:
                 slots = tuple(slot_of[g] for g in p.gpus if g in slot_of)
                 self.state.assign(node, p.pod, slots)
             elif p.pod.group in self.state.queue_of:
-                self.state._add_usage(p.pod, +1)  # on a node we do not see: still counts against the queue
+                self.state.add_usage(p.pod, +1)  # on a node we do not see: still counts against the queue
             self.running_by_group.setdefault(p.pod.group, []).append((p, -1 if node is None else node, slots))
         self.state.typical = self._typical_shapes()
 
@@ -359,7 +253,7 @@ class _Session:
             node = self.best_node(pod, ctx, weights, guard(pod) if guard else None)
             if node is None:
                 continue
-            slots = self.state.choose_gpus(node, pod, weights)
+            slots = choose_gpus(self.state, node, pod, weights)
             self.state.assign(node, pod, slots)
             done.append((pod, node, slots))
         if len(done) >= need:
@@ -655,21 +549,21 @@ class _Session:
                     self.state.assign(node, p.pod, slots)
                 else:
                     self.state.unassign(node, p.pod, slots)
-                self.state._add_usage(p.pod, -sign)
+                self.state.add_usage(p.pod, -sign)
 
     def _remove(self, name: str) -> None:
         for p, node, slots in self.running_by_group[name]:
             if node >= 0:
                 self.state.unassign(node, p.pod, slots)
             else:
-                self.state._add_usage(p.pod, -1)
+                self.state.add_usage(p.pod, -1)
 
     def _restore(self, name: str) -> None:
         for p, node, slots in self.running_by_group[name]:
             if node >= 0:
                 self.state.assign(node, p.pod, slots)
             else:
-                self.state._add_usage(p.pod, +1)
+                self.state.add_usage(p.pod, +1)
 
     def _restore_fits(self, name: str) -> bool:
         """Put an evicted group back if that over-allocates nothing and keeps its queue within quota."""

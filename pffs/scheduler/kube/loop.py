@@ -1,0 +1,254 @@
+"""`pffs scheduler`'s loop: the Kubernetes edge of the scheduling core.
+
+Each cycle lists Nodes, Pods and scheduler-plugins PodGroups, translates them into the core's objects
+(``snapshot.py``), runs one session (``core/session.run_session``) and carries out what it decided
+(``actions.py``): a Binding per placed pod, an Eviction per evicted pod, a PodScheduled=False condition for
+pods that wait. Everything is plain Kubernetes JSON over a small REST client (``api_client.py``, urllib): no
+client library, easy to test.
+
+A malformed object is one `BadObject` message: the pod is reported (log and Event) and skipped, the loop
+goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from pffs.scheduler.core.objects import Placement, PodGroup, Queue
+from pffs.scheduler.kube.actions import bind, evict, mark_unschedulable, post_scheduling_failure
+from pffs.scheduler.kube.api_client import ApiError, RestCalls
+from pffs.scheduler.kube.json_fields import BadObject, object_key
+from pffs.scheduler.kube.names import MIN_MEMBER_ANNOTATION, PODGROUP_API, SCHEDULER_NAME
+from pffs.scheduler.kube.prometheus import SchedulerStats
+from pffs.scheduler.kube.snapshot import Snapshot, build_snapshot
+from pffs.scheduler.kube.taints import tolerates
+
+if TYPE_CHECKING:
+    from pffs.scheduler.core.session import SessionResult, Weights
+
+log = logging.getLogger(__name__)
+
+RunSession = Callable[..., "SessionResult"]
+
+
+@dataclass
+class CycleReport:
+    bound: list[tuple[str, str]] = field(default_factory=list)  # (pod key, node)
+    evicted: list[str] = field(default_factory=list)
+    pending: dict[str, str] = field(default_factory=dict)  # group -> why
+    errors: list[str] = field(default_factory=list)
+
+
+class Scheduler:
+    """One scheduler: ``cycle()`` lists, decides and acts once; ``run()`` repeats until ``stop`` is set."""
+
+    def __init__(
+        self,
+        api: RestCalls,
+        queues: Sequence[Queue],
+        *,
+        weights: Weights | None = None,
+        scheduler_name: str = SCHEDULER_NAME,
+        run_session: RunSession | None = None,
+        stats: SchedulerStats | None = None,
+    ) -> None:
+        self.api = api
+        self.stats = stats or SchedulerStats()
+        self.queues = list(queues)
+        self.weights = weights
+        self.scheduler_name = scheduler_name
+        self._run_session = run_session
+        self._reported: dict[str, str] = {}  # object -> last problem reported, so each is said once
+        self._evicting: dict[str, set[str]] = {}  # group -> pods evicted for it, not gone yet
+        self._podgroups_absent = False
+
+    def cycle(self) -> CycleReport:
+        report = CycleReport()
+        nodes = self.api.list_items("/api/v1/nodes")
+        pods = self.api.list_items("/api/v1/pods")
+        snap = build_snapshot(nodes, pods, self._list_podgroups(), self.queues, self.scheduler_name)
+        for what, problem in snap.problems.items():
+            self._report_problem(what, problem)
+        live = {object_key(p, "Pod") for p in pods if isinstance(p, Mapping) and _safe_key(p)}
+        for name, victims in list(self._evicting.items()):
+            victims &= live
+            if not victims:
+                del self._evicting[name]
+        # A group whose victims are still terminating waits, so the freed room is not preempted twice.
+        offered = []
+        for group in snap.groups:
+            if group.name in self._evicting:
+                snap.waiting[group.name] = (
+                    f"waiting for {len(self._evicting[group.name])} evicted pods to terminate"
+                )
+            else:
+                offered.append(group)
+        report.pending.update(snap.waiting)
+        result = self._session()(snap.nodes, self.queues, offered, snap.running, self.weights)
+        self._act(snap, offered, result, report)
+        for name, why in report.pending.items():
+            self._mark_pending(name, why, snap)
+        return report
+
+    def run(self, interval: float, stop: threading.Event) -> None:
+        while not stop.is_set():
+            started = time.monotonic()
+            try:
+                report = self.cycle()
+                seconds = time.monotonic() - started
+                self.stats.cycle_done(
+                    len(report.bound),
+                    len(report.evicted),
+                    len(report.errors),
+                    len(report.pending),
+                    seconds,
+                    time.time(),
+                )
+                log.log(
+                    logging.INFO if report.bound or report.evicted else logging.DEBUG,
+                    "cycle: %d bound, %d evicted, %d groups pending (%.2fs)",
+                    len(report.bound),
+                    len(report.evicted),
+                    len(report.pending),
+                    time.monotonic() - started,
+                )
+            except ApiError as exc:
+                self.stats.cycle_failed(time.monotonic() - started)
+                log.error("cycle failed: %s; retrying in %.0fs", exc, interval)
+            except Exception:  # a bug must not stop scheduling: log it once per cycle and go on
+                self.stats.cycle_failed(time.monotonic() - started)
+                log.exception("cycle failed")
+            stop.wait(max(0.0, interval - (time.monotonic() - started)))
+
+    def _session(self) -> RunSession:
+        if self._run_session is None:
+            from pffs.scheduler.core.session import run_session
+
+            self._run_session = run_session
+        return self._run_session
+
+    def _list_podgroups(self) -> list[Any]:
+        try:
+            items = self.api.list_items(PODGROUP_API)
+        except ApiError as exc:
+            if exc.status != 404:
+                raise
+            if not self._podgroups_absent:
+                log.warning(
+                    "the PodGroup CRD (scheduling.x-k8s.io/v1alpha1) is not installed: gangs take their "
+                    "min member from the pod annotation %s",
+                    MIN_MEMBER_ANNOTATION,
+                )
+            self._podgroups_absent = True
+            return []
+        self._podgroups_absent = False
+        return items
+
+    def _act(
+        self, snap: Snapshot, offered: list[PodGroup], result: SessionResult, report: CycleReport
+    ) -> None:
+        report.pending.update(result.pending)
+        by_group: dict[str, list[Placement]] = {}
+        for placement in result.placements:
+            by_group.setdefault(placement.pod.group, []).append(placement)
+        evictions = [e for e in result.evictions if e.pod.name in snap.ours]
+        refused = [e.pod.name for e in result.evictions if e.pod.name not in snap.ours]
+        evicted_nodes = {e.node for e in evictions}
+        if refused:
+            # The core chose a pod this scheduler did not place: leave it, and hold back what needed the room.
+            log.warning("not evicting pods of other schedulers: %s", ", ".join(sorted(refused)))
+            evicted_nodes |= {e.node for e in result.evictions}
+            evictions = []
+        for eviction in evictions:
+            self._evict(eviction, report)
+        # Only pods actually evicted are waited for: one refused (429, a PodDisruptionBudget) stays running,
+        # so waiting for it would hold the group forever; the group is offered again next cycle instead.
+        evicted = set(report.evicted)
+        for group, placements in by_group.items():
+            why = self._hold_back(placements, snap, evicted_nodes)
+            if why:
+                report.pending[group] = why
+                if evicted:
+                    self._evicting.setdefault(group, set()).update(evicted)
+                continue
+            for placement in placements:
+                self._bind(placement, report)
+            self._reported.pop(group, None)  # if it waits again later, say so again
+
+    def _hold_back(self, placements: list[Placement], snap: Snapshot, evicted_nodes: set[str]) -> str:
+        """Why a group's placements must wait (empty: bind them). All or nothing, as the gang."""
+        for p in placements:
+            if p.node in evicted_nodes:
+                return f"preempting pods on {p.node}; binds once they are gone"
+            pod_obj, node_obj = snap.pods.get(p.pod.name), snap.node_objects.get(p.node)
+            if pod_obj is None or node_obj is None:
+                return f"pod {p.pod.name} or node {p.node} is not in the snapshot"
+            if not tolerates(pod_obj, node_obj):
+                return f"pod {p.pod.name} does not tolerate the taints of node {p.node}"
+        return ""
+
+    def _bind(self, placement: Placement, report: CycleReport) -> None:
+        try:
+            bind(self.api, placement)
+        except ApiError as exc:
+            report.errors.append(str(exc))
+            log.warning(
+                "binding %s to %s failed: %s (retried next cycle)", placement.pod.name, placement.node, exc
+            )
+            return
+        log.info(
+            "bound %s to %s%s",
+            placement.pod.name,
+            placement.node,
+            f" GPUs {placement.gpus}" * bool(placement.gpus),
+        )
+        report.bound.append((placement.pod.name, placement.node))
+
+    def _evict(self, placement: Placement, report: CycleReport) -> None:
+        try:
+            evict(self.api, placement)
+        except ApiError as exc:
+            report.errors.append(str(exc))
+            # 429: a PodDisruptionBudget forbids it now; 404: already gone.
+            log.warning("evicting %s failed: %s", placement.pod.name, exc)
+            return
+        log.info("evicted %s from %s (preempted)", placement.pod.name, placement.node)
+        report.evicted.append(placement.pod.name)
+
+    def _mark_pending(self, group: str, why: str, snap: Snapshot) -> None:
+        """Say once (per reason) why a group waits: a log line and PodScheduled=False on its pods."""
+        if self._reported.get(group) == why:
+            return
+        self._reported[group] = why
+        log.info("group %s waits: %s", group, why)
+        for key in snap.members.get(group, []):
+            try:
+                mark_unschedulable(self.api, key, why)
+            except ApiError as exc:
+                log.debug("could not set PodScheduled on %s: %s", key, exc)
+
+    def _report_problem(self, what: str, problem: str) -> None:
+        if self._reported.get(what) == problem:
+            return
+        self._reported[what] = problem
+        log.warning("skipping %s: %s", what, problem)
+        if not what.startswith("Pod ") or "/" not in what:
+            return
+        namespace, name = what.removeprefix("Pod ").split("/", 1)
+        try:
+            post_scheduling_failure(self.api, namespace, name, problem, self.scheduler_name)
+        except ApiError as exc:
+            log.debug("could not post an Event for %s: %s", what, exc)
+
+
+def _safe_key(obj: Mapping[str, Any]) -> bool:
+    try:
+        object_key(obj, "Pod")
+    except BadObject:
+        return False
+    return True
