@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import threading
+import time
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Self
 
 import fsspec
 import numpy as np
+import pytest
 
 
 def sha256(data: bytes) -> str:
@@ -91,3 +95,25 @@ class FakeHttpServer:
         self.server.shutdown()
         self.server.server_close()
         self.thread.join(timeout=10)
+
+
+def poll(what: str, check: Callable[[], Any], timeout_s: float = 60.0, logs: Callable[[], str] = str) -> Any:
+    """`check()`'s first true result, polled every 0.2 s; AssertionError naming `what` (with `logs()`, the
+    logs of whatever was being waited on) after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        result = check()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout_s:.0f} s\n{logs()[-6000:]}")
+        time.sleep(0.2)
+
+
+def require(missing: list[str], what: str) -> None:
+    """Skips saying what is missing, or fails where CI requires every server (PFFS_REQUIRE_SERVERS=1)."""
+    if missing:
+        message = f"{what} needs {', '.join(missing)}; run `make setup`"
+        if os.environ.get("PFFS_REQUIRE_SERVERS") == "1":
+            pytest.fail(message)
+        pytest.skip(message)

@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 import yaml
-from helpers import sha256
+from helpers import poll, require, sha256
 
 from pffs.testing.csi_plugin import CsiPlugin
 from pffs.testing.kube_node import KubeNode, NodeControlPlane, missing_node_binaries
@@ -33,25 +33,11 @@ from pffs.testing.oci_image import BUSYBOX_IMAGE
 from pffs.testing.s3_server import SeaweedS3
 
 REPO = Path(__file__).resolve().parent.parent
-REQUIRE_SERVERS = os.environ.get("PFFS_REQUIRE_SERVERS") == "1"
 TOOLS_BIN = Path(os.environ.get("PFFS_TOOLS_BIN") or Path.home() / ".cache/pffs-tools/bin")
 NODE = "pffs-e2e-node"
 BLOCK = 4 << 20
 
 pytestmark = [pytest.mark.kube, pytest.mark.s3, pytest.mark.timeout(600)]
-
-
-def wait_for(
-    what: str, check: Callable[[], Any], timeout_s: float = 90.0, logs: Callable[[], str] = str
-) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        result = check()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {timeout_s:.0f} s\n{logs()[-6000:]}")
-        time.sleep(0.25)
 
 
 @dataclass
@@ -66,14 +52,8 @@ class World:
 
 @pytest.fixture(scope="module")
 def world(s3_server: SeaweedS3, tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
-    missing = missing_node_binaries()
-    if not (TOOLS_BIN / "csi-provisioner").exists():
-        missing.append("csi-provisioner")
-    if missing:
-        message = f"the end-to-end test needs {', '.join(missing)}; run `make setup`"
-        if REQUIRE_SERVERS:
-            pytest.fail(message)
-        pytest.skip(message)
+    missing = missing_node_binaries() + [p for p in ("csi-provisioner",) if not (TOOLS_BIN / p).exists()]
+    require(missing, "the end-to-end test")
     from kubernetes import client, dynamic
 
     root = tmp_path_factory.mktemp("e2e")
@@ -134,7 +114,7 @@ def world(s3_server: SeaweedS3, tmp_path_factory: pytest.TempPathFactory) -> Ite
                 def logs() -> str:
                     return "\n".join(f"--- {name}\n{text()[-2500:]}" for name, text in logs_of.items())
 
-                wait_for(
+                poll(
                     "the kubelet registers csi.pffs.io (CSINode)",
                     lambda: _csinode_has_driver(cluster),
                     timeout_s=60,
@@ -249,13 +229,11 @@ def delete_pods(world: World, *names: str) -> None:
         remaining = {p.metadata.name for p in world.core.list_namespaced_pod("default").items}
         return not remaining & set(names)
 
-    wait_for("the pods are gone", gone, timeout_s=120, logs=world.logs)
+    poll("the pods are gone", gone, timeout_s=120, logs=world.logs)
 
 
 def assert_nothing_mounted_or_running(world: World) -> None:
-    wait_for(
-        "the plugin unstages everything", lambda: not staged_volumes(world), timeout_s=60, logs=world.logs
-    )
+    poll("the plugin unstages everything", lambda: not staged_volumes(world), timeout_s=60, logs=world.logs)
     mounts = Path("/proc/self/mountinfo").read_text()
     assert "fuse.pffs" not in mounts, [line for line in mounts.splitlines() if "fuse.pffs" in line]
     leftover = subprocess.run(["pgrep", "-f", "pffs.cli.mount_daemon"], capture_output=True, text=True).stdout
@@ -286,7 +264,7 @@ def test_pods_with_an_inline_volume_read_exact_bytes_share_one_mount_and_survive
         }
     }
     world.core.create_namespaced_pod("default", reader_pod("inline-1", volume, "train/shard-0"))
-    assert wait_for(
+    assert poll(
         "inline-1 prints the dataset's sha256",
         lambda: expected in printed_hashes(world, "inline-1"),
         logs=world.logs,
@@ -295,7 +273,7 @@ def test_pods_with_an_inline_volume_read_exact_bytes_share_one_mount_and_survive
         world.core.read_namespaced_pod("inline-1", "default").spec.node_name == NODE
     )  # pffs scheduler bound it
     world.core.create_namespaced_pod("default", reader_pod("inline-2", volume, "train/shard-0"))
-    wait_for(
+    poll(
         "inline-2 prints the dataset's sha256",
         lambda: expected in printed_hashes(world, "inline-2"),
         logs=world.logs,
@@ -310,7 +288,7 @@ def test_pods_with_an_inline_volume_read_exact_bytes_share_one_mount_and_survive
     lines_before = len(printed_hashes(world, "inline-1"))
     os.kill(record["pid"], signal.SIGKILL)
     killed = time.monotonic()
-    wait_for(
+    poll(
         "the mount is back",
         lambda: staged_volumes(world)[staging_path]["pid"] != record["pid"],
         timeout_s=30,
@@ -321,7 +299,7 @@ def test_pods_with_an_inline_volume_read_exact_bytes_share_one_mount_and_survive
         after = printed_hashes(world, pod)[lines_before:]
         return bool(after) and after[-1] == expected
 
-    wait_for(
+    poll(
         "inline-1 reads again after the mount was killed",
         lambda: read_again("inline-1"),
         timeout_s=30,
@@ -385,7 +363,7 @@ def test_a_pvc_of_a_pffs_storage_class_is_provisioned_bound_staged_once_and_read
         claim = world.core.read_namespaced_persistent_volume_claim("scratch", "default")
         return claim.spec.volume_name if claim.status.phase == "Bound" else None
 
-    pv_name = wait_for("the PVC is provisioned and bound", bound_volume, logs=world.logs)
+    pv_name = poll("the PVC is provisioned and bound", bound_volume, logs=world.logs)
     handle = world.core.read_persistent_volume(pv_name).spec.csi.volume_handle
     volume_url = handle.split("#")[0]
     assert volume_url == f"s3://{bucket}/volumes/{pv_name}"
@@ -396,7 +374,7 @@ def test_a_pvc_of_a_pffs_storage_class_is_provisioned_bound_staged_once_and_read
     world.core.create_namespaced_pod("default", reader_pod("pvc-1", volume, "part-0"))
     world.core.create_namespaced_pod("default", reader_pod("pvc-2", volume, "part-0"))
     for pod in ("pvc-1", "pvc-2"):
-        wait_for(
+        poll(
             f"{pod} prints the file's sha256",
             lambda pod=pod: sha256(data) in printed_hashes(world, pod),
             logs=world.logs,
@@ -413,7 +391,7 @@ def test_a_pvc_of_a_pffs_storage_class_is_provisioned_bound_staged_once_and_read
         found = raw_s3.find(volume_url.removeprefix("s3://"), detail=True, refresh=True)
         return [path for path, info in found.items() if info["type"] != "directory"]  # folders stay here
 
-    wait_for(
+    poll(
         "DeleteVolume removes the volume's objects (onDelete: delete)",
         lambda: not files_left(),
         logs=world.logs,

@@ -15,29 +15,24 @@ import hashlib
 import os
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import poll, require
 
 from pffs.testing.kube_cluster import missing_binaries
 from pffs.testing.kube_node import KERNEL_SETTINGS, KubeNode, NodeControlPlane, missing_node_binaries
 from pffs.testing.oci_image import BUSYBOX_IMAGE, TEST_CONTENT, TEST_FILE
 
-REQUIRE_SERVERS = os.environ.get("PFFS_REQUIRE_SERVERS") == "1"
 NODE = "pffs-node-1"
 
 pytestmark = [pytest.mark.kube, pytest.mark.timeout(300)]
 
 
 def require_node() -> None:
-    missing = missing_binaries() + missing_node_binaries()
-    if missing:
-        message = f"a real node needs {', '.join(missing)}; run `make setup`"
-        if REQUIRE_SERVERS:
-            pytest.fail(message)
-        pytest.skip(message)
+    require(missing_binaries() + missing_node_binaries(), "a real node")
 
 
 @pytest.fixture(scope="module")
@@ -77,17 +72,6 @@ def _all_processes() -> list[str]:
 
 def kernel_settings() -> dict[str, str]:
     return {key: (Path("/proc/sys") / key).read_text() for key in KERNEL_SETTINGS}
-
-
-def wait_for(what: str, check: Callable[[], Any], node: KubeNode, timeout_s: float = 60.0) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        result = check()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {timeout_s:.0f} s\n{node.logs()}")
-        time.sleep(0.25)
 
 
 def pod_manifest(name: str, script: str, node_name: str | None = None) -> dict[str, Any]:
@@ -147,7 +131,7 @@ def test_a_node_stopped_with_a_pod_running_leaves_no_process_mount_cgroup_or_fol
         core = client.CoreV1Api(kube_node.api())
         name = f"left-running-{uuid.uuid4().hex[:6]}"
         core.create_namespaced_pod("default", pod_manifest(name, "sleep 3600", node_name=NODE))
-        wait_for(f"pod {name} to run", lambda: phase(core, name) == "Running", kube_node)
+        poll(f"pod {name} to run", lambda: phase(core, name) == "Running", logs=kube_node.logs)
         assert kube_node.leftover_mounts(), "a running pod has mounts (its rootfs, the kubelet's root)"
         assert [p for p in kube_node.leftover_processes() if "sleep 3600" in p]
         assert kube_node.leftover_paths(), "the kubelet made its kubepods cgroups"
@@ -175,7 +159,7 @@ def test_the_node_registers_ready_untainted_as_system_node(node: KubeNode) -> No
         found = coordination.list_namespaced_lease("kube-node-lease").items
         return [item for item in found if item.metadata.name == NODE]
 
-    assert wait_for("the node's Lease", lease, node, 20)[0].spec.holder_identity == NODE
+    assert poll("the node's Lease", lease, 20, node.logs)[0].spec.holder_identity == NODE
     assert "system:node:" + NODE in (node.workdir / "kubelet.kubeconfig").read_text()
 
 
@@ -187,7 +171,9 @@ def test_a_scheduled_pod_runs_to_completion_and_its_log_comes_through_the_api(no
     # No nodeName: kube-scheduler places it on the one Ready, untainted node.
     core.create_namespaced_pod("default", pod_manifest(name, f"echo hello; sha256sum {TEST_FILE}"))
     try:
-        final = wait_for(f"pod {name} to finish", lambda: phase(core, name) in ("Succeeded", "Failed"), node)
+        final = poll(
+            f"pod {name} to finish", lambda: phase(core, name) in ("Succeeded", "Failed"), logs=node.logs
+        )
         pod = core.read_namespaced_pod(name, "default")
         log = core.read_namespaced_pod_log(name, "default", container="main")
         assert final and pod.status.phase == "Succeeded", (pod.status, log, node.logs())
@@ -214,8 +200,8 @@ def test_deleting_a_running_pod_stops_its_container(node: KubeNode) -> None:
             return str(statuses[0].container_id).removeprefix("containerd://")
         return None
 
-    container_id = wait_for(f"pod {name} to run", running_container, node)
-    wait_for("its log", lambda: "started" in pod_log(core, name), node, 20)
+    container_id = poll(f"pod {name} to run", running_container, logs=node.logs)
+    poll("its log", lambda: "started" in pod_log(core, name), 20, node.logs)
     tasks = node.ctr("tasks", "ls")
     assert any(line.split()[:1] == [container_id] and "RUNNING" in line for line in tasks.splitlines())
     pid = next(int(line.split()[1]) for line in tasks.splitlines() if line.split()[:1] == [container_id])
@@ -223,14 +209,14 @@ def test_deleting_a_running_pod_stops_its_container(node: KubeNode) -> None:
 
     started = time.monotonic()
     core.delete_namespaced_pod(name, "default")  # graceful: SIGTERM, then the kubelet confirms the delete
-    wait_for(f"pod {name} to be gone", lambda: phase(core, name) is None, node, 40)
+    poll(f"pod {name} to be gone", lambda: phase(core, name) is None, 40, node.logs)
     # Well within the grace period (10 s, then SIGKILL): the container got SIGTERM and its trap ended it.
     assert time.monotonic() - started < 8
     assert not any(
         line.split()[:1] == [container_id] and "RUNNING" in line
         for line in node.ctr("tasks", "ls").splitlines()
     )
-    wait_for(f"process {pid} to end", lambda: not Path(f"/proc/{pid}").exists(), node, 10)
+    poll(f"process {pid} to end", lambda: not Path(f"/proc/{pid}").exists(), 10, node.logs)
 
 
 def test_a_privileged_pods_bidirectional_mount_reaches_the_host(node: KubeNode) -> None:
@@ -255,7 +241,7 @@ def test_a_privileged_pods_bidirectional_mount_reaches_the_host(node: KubeNode) 
     ]
     core.create_namespaced_pod("default", manifest)
     try:
-        wait_for("the pod's mount", lambda: "mounted" in pod_log(core, name), node)
+        poll("the pod's mount", lambda: "mounted" in pod_log(core, name), logs=node.logs)
         assert os.path.ismount(shared / "inner")
         assert (shared / "inner" / "f").read_text() == "from-pod\n"
     finally:

@@ -16,13 +16,13 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
-from helpers import sha256
+from helpers import poll, require, sha256
 
 from pffs.csi import csi_pb2
 from pffs.scheduler.kube.locality import CACHE_ANNOTATION, node_cache
@@ -31,19 +31,13 @@ from pffs.testing.kube_cluster import KubeControlPlane, missing_binaries
 from pffs.testing.s3_server import SeaweedS3, free_ports
 
 REPO = Path(__file__).resolve().parent.parent
-REQUIRE_SERVERS = os.environ.get("PFFS_REQUIRE_SERVERS") == "1"
 TOOLS_BIN = Path(os.environ.get("PFFS_TOOLS_BIN") or Path.home() / ".cache/pffs-tools/bin")
 
 pytestmark = [pytest.mark.kube, pytest.mark.timeout(300)]
 
 
 def require_control_plane() -> None:
-    missing = missing_binaries()
-    if missing:
-        message = f"a real control plane needs {', '.join(missing)}; run `make setup`"
-        if REQUIRE_SERVERS:
-            pytest.fail(message)
-        pytest.skip(message)
+    require(missing_binaries(), "a real control plane")
 
 
 @pytest.fixture(scope="module")
@@ -51,17 +45,6 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KubeControlPla
     require_control_plane()
     with KubeControlPlane(tmp_path_factory.mktemp("kube")) as control_plane:
         yield control_plane
-
-
-def wait_for(what: str, check: Callable[[], Any], timeout_s: float = 60.0) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        result = check()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {timeout_s:.0f} s")
-        time.sleep(0.2)
 
 
 def rendered(folder: str) -> list[dict[str, Any]]:
@@ -263,7 +246,7 @@ def test_the_csi_node_plugin_reports_its_cache_with_deploys_rbac_and_is_refused_
             entry = (cache or {}).get(source)
             return entry if entry and entry.cached_bytes == len(data) else None
 
-        entry = wait_for("the cache report on the Node", reported, timeout_s=30)
+        entry = poll("the cache report on the Node", reported, timeout_s=30)
         assert entry.total_bytes == len(data)
         report = json.loads(core.read_node(node_name).metadata.annotations[CACHE_ANNOTATION])
         assert report["capacity_bytes"] == 1 << 30 and report["updated_at"].endswith("Z")
@@ -295,7 +278,7 @@ def extender(cluster: KubeControlPlane, tmp_path: Path) -> Iterator[tuple[int, s
             [sys.executable, "-m", "pffs.cli.main", "extender", "--port", str(port), "-v"], stderr=log
         )
     try:
-        wait_for("pffs extender", lambda: _answers(f"http://127.0.0.1:{port}/healthz"), timeout_s=30)
+        poll("pffs extender", lambda: _answers(f"http://127.0.0.1:{port}/healthz"), timeout_s=30)
         yield port, process
     finally:
         process.terminate()
@@ -360,13 +343,13 @@ def test_kube_scheduler_with_pffs_extender_places_pods_by_cache_locality(
             return core.read_namespaced_pod(name, "default").spec.node_name
 
         core.create_namespaced_pod("default", pod("reader-1", "1"))
-        assert wait_for("reader-1 scheduled", lambda: node_of("reader-1")) == "loc-z-warm"
+        assert poll("reader-1 scheduled", lambda: node_of("reader-1")) == "loc-z-warm"
         core.create_namespaced_pod("default", pod("reader-2", "1500m"))  # no longer fits on the warm node
-        assert wait_for("reader-2 scheduled", lambda: node_of("reader-2")) in ("loc-a-cold", "loc-b-cold")
+        assert poll("reader-2 scheduled", lambda: node_of("reader-2")) in ("loc-a-cold", "loc-b-cold")
         extender_process.terminate()
         extender_process.wait(timeout=10)
         core.create_namespaced_pod("default", pod("reader-3", "1"))
-        assert wait_for("reader-3 scheduled without the extender", lambda: node_of("reader-3"))
+        assert poll("reader-3 scheduled without the extender", lambda: node_of("reader-3"))
     finally:
         scheduler.terminate()
         scheduler.wait(timeout=15)
@@ -540,18 +523,17 @@ def test_pffs_scheduler_binds_gangs_whole_prefers_one_tor_and_warm_nodes_and_say
         core.create_namespaced_pod(
             "default", gang_pod("warm-reader", "warm", 1, 1, annotations={"pffs.io/datasets": dataset})
         )
-        assert wait_for("warm-reader bound", lambda: node_of("warm-reader")) == "gang-g3"
+        assert poll("warm-reader bound", lambda: node_of("warm-reader")) == "gang-g3"
         # A pair of 4-GPU workers: two whole nodes under one ToR switch (g1 + g2), not split across two.
         for i in range(2):
             core.create_namespaced_pod("default", gang_pod(f"pair-{i}", "pair", 2, 4))
-        placed = {wait_for(f"pair-{i} bound", lambda i=i: node_of(f"pair-{i}")) for i in range(2)}
+        placed = {poll(f"pair-{i} bound", lambda i=i: node_of(f"pair-{i}")) for i in range(2)}
         assert placed == {"gang-g1", "gang-g2"}
         # A gang of three 4-GPU workers: only g4 has 4 GPUs free now: none is bound, each says why.
         for i in range(3):
             core.create_namespaced_pod("default", gang_pod(f"big-{i}", "big", 3, 4))
         reasons = [
-            wait_for(f"big-{i} marked unschedulable", lambda i=i: waiting_reason(f"big-{i}"))
-            for i in range(3)
+            poll(f"big-{i} marked unschedulable", lambda i=i: waiting_reason(f"big-{i}")) for i in range(3)
         ]
         assert all(node_of(f"big-{i}") is None for i in range(3)), "part of a gang was bound"
         assert all(reason and "Unschedulable" in reason for reason in reasons), reasons
@@ -559,7 +541,7 @@ def test_pffs_scheduler_binds_gangs_whole_prefers_one_tor_and_warm_nodes_and_say
         core.create_namespaced_pod(
             "default", gang_pod("greedy", "greedy", 1, 4, labels={"pffs.io/queue": "small"})
         )
-        reason = wait_for("greedy marked unschedulable", lambda: waiting_reason("greedy"))
+        reason = poll("greedy marked unschedulable", lambda: waiting_reason("greedy"))
         assert node_of("greedy") is None and "gpu" in reason.lower(), reason
     finally:
         scheduler.terminate()
