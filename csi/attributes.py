@@ -84,7 +84,6 @@ class VolumeAttributes(BaseModel):
         """The attributes as a volume context (strings, as Kubernetes keeps them), with `changes` applied."""
         data = self.model_dump(by_alias=True, exclude_none=True, exclude_defaults=True)
         data.update({self.model_fields[k].alias or k: v for k, v in changes.items()})
-        data["source"] = changes.get("source", self.source)
         return {k: _as_string(v) for k, v in sorted(data.items())}
 
 

@@ -74,7 +74,7 @@ class ControllerServicer(csi_pb2_grpc.ControllerServicer):
             existing = _read_marker(backend, root)
             if existing is None:
                 backend.make_dir(root)
-                self._write_marker(backend, root, record)
+                backend.write_bytes(f"{root}/{MARKER}", json.dumps(record).encode())
             return existing
 
         existing = with_deadline(self._pool, create, self.backend_timeout_s, volume_url)
@@ -166,17 +166,11 @@ class ControllerServicer(csi_pb2_grpc.ControllerServicer):
     ) -> tuple[Backend, str]:
         return open_backend(url, backend_options(attributes, credentials))
 
-    @staticmethod
-    def _write_marker(backend: Backend, root: str, record: dict[str, Any]) -> None:
-        path = f"{root}/{MARKER}"
-        backend._call("put", lambda: backend.fs.pipe_file(path, json.dumps(record).encode()), path)
-        backend.invalidate(path)
-
 
 def _read_marker(backend: Backend, root: str) -> dict[str, Any] | None:
     path = f"{root}/{MARKER}"
     try:
-        data = backend._call("get", lambda: backend.fs.cat_file(path), path)
+        data = backend.read_bytes(path)
     except FileNotFoundError:
         return None
     try:

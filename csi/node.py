@@ -79,7 +79,7 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
         with self.volumes.locks.hold(target_path):
             if context_map.get(EPHEMERAL_KEY) == "true":
                 self.volumes.publish_inline(
-                    volume_id, target_path, context_map, dict(request.secrets), "inline", read_only
+                    volume_id, target_path, context_map, dict(request.secrets), read_only
                 )
                 return csi_pb2.NodePublishVolumeResponse()
             if not request.staging_target_path:
@@ -104,9 +104,9 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
     @rpc
     def NodeGetVolumeStats(self, request: Any, context: grpc.ServicerContext) -> Any:
         require(request, "volume_id", "volume_path")
-        path = self._known_path(request.volume_id, request.volume_path)
+        path, staged = self._known_path(request.volume_id, request.volume_path)
         response = csi_pb2.NodeGetVolumeStatsResponse()
-        problem, st = self._inspect(path)
+        problem, st = self._inspect(staged, path)
         if problem:
             raise Abort(Code.UNAVAILABLE, problem.message)
         assert st is not None
@@ -134,8 +134,8 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
         given = request.volume_publish_path or request.staging_target_path
         if not given:
             given = self._any_path(request.volume_id)
-        path = self._known_path(request.volume_id, given)
-        problem, _ = self._inspect(path)
+        path, staged = self._known_path(request.volume_id, given)
+        problem, _ = self._inspect(staged, path)
         health = csi_pb2.VolumeHealth(volume_id=request.volume_id)
         if problem:
             health.health_statuses.add(
@@ -143,13 +143,15 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
             )
         return csi_pb2.NodeGetVolumeHealthResponse(volume_health=health)
 
-    def _known_path(self, volume_id: str, path: str) -> str:
+    def _known_path(self, volume_id: str, path: str) -> tuple[str, Staged]:
+        """The path, normalized, and the record of the volume staged or published there."""
         path = os.path.normpath(path) if path.startswith("/") else ""
-        if not path or self._volume_at(volume_id, path) is None:
+        staged = self._volume_at(volume_id, path) if path else None
+        if staged is None:
             raise Abort(
                 Code.NOT_FOUND, f"volume {volume_id} is not staged or published at {path or '(none)'}"
             )
-        return path
+        return path, staged
 
     def _any_path(self, volume_id: str) -> str:
         with self.volumes.state.lock:
@@ -161,10 +163,9 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
                         return target
         return ""
 
-    def _inspect(self, path: str) -> tuple[Problem | None, os.statvfs_result | None]:
+    def _inspect(self, staged: Staged, path: str) -> tuple[Problem | None, os.statvfs_result | None]:
         """Whether the volume at `path` serves, without letting a hung mount hold the call."""
-        staged = self._volume_at_path(path)
-        if staged is None or not is_mount_process(staged.pid):
+        if not is_mount_process(staged.pid):
             return Problem(
                 "MountProcessGone", "the pffs mount process is gone; it is being mounted again"
             ), None
@@ -188,10 +189,6 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
             if owner is not None and owner.targets[path].volume_id == volume_id:
                 return owner
         return None
-
-    def _volume_at_path(self, path: str) -> Staged | None:
-        with self.volumes.state.lock:
-            return self.volumes.state.records.staged.get(path) or self.volumes.state.find_target(path)
 
     @rpc
     def NodeGetCapabilities(self, request: Any, context: grpc.ServicerContext) -> Any:

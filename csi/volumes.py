@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pffs.backends.urls import open_backend
-from pffs.config import CacheSettings
+from pffs.config import CacheSettings, parse_size
 from pffs.csi.attributes import (
     Credentials,
     VolumeAttributes,
@@ -187,7 +187,6 @@ class VolumeManager:
         target_path: str,
         context: dict[str, str],
         secrets: dict[str, str],
-        capability: str,
         read_only: bool,
     ) -> None:
         """An inline (ephemeral) volume: the CO publishes without staging. Pods naming the same source with
@@ -378,19 +377,20 @@ class VolumeManager:
         size: the node's bound is split, the shared cache keeping what the volumes' own caches leave."""
         node = self.config.cache
         if attributes.cache_size is None:
-            own = sum(self._own_cache_sizes(exclude=staging_path))
+            own = self._own_cache_bytes(exclude=staging_path)
             shared = attributes.model_copy(update={"cache_size": max(node.cache_size - own, 0)})
             return cache_settings(shared, node, node.cache_dir)
         return cache_settings(attributes, node, node.cache_dir / "volumes" / path_key(staging_path))
 
-    def _own_cache_sizes(self, exclude: str) -> list[int]:
-        sizes = []
+    def _own_cache_bytes(self, exclude: str) -> int:
+        """What the node's cache budget has given to volumes' own caches (all but `exclude`'s)."""
         with self.state.lock:
-            for path, staged in self.state.records.staged.items():
-                size = staged.attributes.get("cacheSize")
-                if size and path != exclude:
-                    sizes.append(parse_attributes(staged.attributes, "recorded").cache_size or 0)
-        return sizes
+            sizes = [
+                staged.attributes.get("cacheSize")
+                for path, staged in self.state.records.staged.items()
+                if path != exclude
+            ]
+        return sum(parse_size(size) for size in sizes if size)
 
     def _check_cache_request(self, attributes: VolumeAttributes, staging_path: str) -> None:
         if attributes.cache_size is None:
@@ -402,7 +402,7 @@ class VolumeManager:
                 f"cacheSize {attributes.cache_size} is larger than this node's cache ({node_size} bytes, "
                 "the plugin's --cache-size)",
             )
-        taken = sum(self._own_cache_sizes(exclude=staging_path))
+        taken = self._own_cache_bytes(exclude=staging_path)
         if taken + attributes.cache_size > node_size:
             raise Abort(
                 Code.RESOURCE_EXHAUSTED,

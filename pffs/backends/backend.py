@@ -121,6 +121,15 @@ class Backend:
         self._call("put", lambda: self.fs.put_file(local_path, path), path)
         self.invalidate(path)
 
+    def write_bytes(self, path: str, data: bytes) -> None:
+        """Puts a small object (a marker, a record) at path in one request."""
+        self._call("put", lambda: self.fs.pipe_file(path, data), path)
+        self.invalidate(path)
+
+    def read_bytes(self, path: str) -> bytes:
+        """The whole of a small object, in one request (FileNotFoundError if there is none)."""
+        return bytes(self._call("get", lambda: self.fs.cat_file(path), path))
+
     def remove(self, path: str) -> None:
         self._call("delete", lambda: self.fs.rm_file(path), path)
         self.invalidate(path)
