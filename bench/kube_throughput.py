@@ -27,7 +27,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from pffs.testing.kube_cluster import KubeControlPlane, missing_binaries  # noqa: E402
+from pffs.testing.kube_cluster import KubeControlPlane, add_node, missing_binaries  # noqa: E402
 from pffs.testing.s3_server import free_ports  # noqa: E402
 
 TICKS = os.sysconf("SC_CLK_TCK")
@@ -39,27 +39,10 @@ def cpu_seconds(pid: int) -> float:
 
 
 def make_nodes(api: Any, count: int) -> None:
-    from kubernetes import client
-
-    core = client.CoreV1Api(api)
     resources = {"cpu": "64", "memory": "512Gi", "pods": "110", "nvidia.com/gpu": "8"}
-    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    ready = {
-        "type": "Ready",
-        "status": "True",
-        "reason": "KubeletReady",
-        "message": "bench",
-        "lastHeartbeatTime": now,
-        "lastTransitionTime": now,
-    }
 
     def one(i: int) -> None:
-        name = f"node-{i:04d}"
-        core.create_node({"metadata": {"name": name, "labels": {"pffs.io/tor": f"tor-{i // 32}"}}})
-        core.patch_node_status(
-            name, {"status": {"capacity": resources, "allocatable": resources, "conditions": [ready]}}
-        )
-        core.patch_node(name, {"spec": {"taints": None}})
+        add_node(api, f"node-{i:04d}", resources, labels={"pffs.io/tor": f"tor-{i // 32}"})
 
     with ThreadPoolExecutor(16) as pool:
         list(pool.map(one, range(count)))

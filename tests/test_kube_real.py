@@ -15,7 +15,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,7 +26,7 @@ from helpers import poll, require, sha256
 from pffs.csi import csi_pb2
 from pffs.scheduler.kube.locality import CACHE_ANNOTATION, node_cache
 from pffs.testing.csi_plugin import CsiPlugin
-from pffs.testing.kube_cluster import KubeControlPlane, missing_binaries
+from pffs.testing.kube_cluster import KubeControlPlane, add_node, missing_binaries
 from pffs.testing.s3_server import SeaweedS3, free_ports
 
 REPO = Path(__file__).resolve().parent.parent
@@ -70,33 +69,10 @@ def make_node(
     annotations: dict[str, str] | None = None,
     gpus: int = 0,
 ) -> None:
-    """A plain Node object that kube-scheduler can bind to: capacity, Ready, and no not-ready taint."""
-    from kubernetes import client
-
-    core = client.CoreV1Api(api)
-    core.create_node(
-        {"metadata": {"name": name, "labels": labels or {}, "annotations": annotations or {}}, "spec": {}}
-    )
     resources = {"cpu": cpu, "memory": "32Gi", "pods": "110"} | (
         {"nvidia.com/gpu": str(gpus)} if gpus else {}
     )
-    ready = {
-        "type": "Ready",
-        "status": "True",
-        "reason": "KubeletReady",
-        "message": "test node",
-        "lastHeartbeatTime": _now(),
-        "lastTransitionTime": _now(),
-    }
-    core.patch_node_status(
-        name, {"status": {"capacity": resources, "allocatable": resources, "conditions": [ready]}}
-    )
-    # The apiserver taints new Nodes not-ready; no node lifecycle controller runs here to lift it.
-    core.patch_node(name, {"spec": {"taints": None}})
-
-
-def _now() -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    add_node(api, name, resources, labels, annotations)
 
 
 # 4. Every manifest applies (server-side dry run)

@@ -173,26 +173,18 @@ class KubeControlPlane:
             ],
         )
         if self.start_scheduler:
+            if self.scheduler_config is not None:  # the config names its kubeconfig and leader election
+                source = ["--config", str(self.scheduler_config)]
+            else:
+                source = ["--kubeconfig", str(self.kubeconfig), "--leader-elect=false"]
             args = [
                 str(self.bin / "kube-scheduler"),
-                "--kubeconfig",
-                str(self.kubeconfig),
-                "--leader-elect=false",
+                *source,
                 "--bind-address",
                 "127.0.0.1",
                 "--secure-port",
                 str(self.scheduler_port),
             ]
-            if self.scheduler_config is not None:
-                args = [
-                    str(self.bin / "kube-scheduler"),
-                    "--config",
-                    str(self.scheduler_config),
-                    "--bind-address",
-                    "127.0.0.1",
-                    "--secure-port",
-                    str(self.scheduler_port),
-                ]
             self._run("kube-scheduler", args)
         return self
 
@@ -271,6 +263,35 @@ class KubeControlPlane:
         configuration = client.Configuration()
         config.load_kube_config(config_file=str(self.kubeconfig), client_configuration=configuration)
         return client.ApiClient(configuration)
+
+
+def add_node(
+    api: Any,
+    name: str,
+    resources: dict[str, str],
+    labels: dict[str, str] | None = None,
+    annotations: dict[str, str] | None = None,
+) -> None:
+    """A plain Node object (no kubelet) that a scheduler can bind pods to: its capacity and allocatable
+    `resources`, a Ready condition, and none of the taints the API server puts on new Nodes (no node
+    lifecycle controller runs here to lift them)."""
+    from kubernetes import client
+
+    core = client.CoreV1Api(api)
+    metadata = client.V1ObjectMeta(name=name, labels=labels or {}, annotations=annotations or {})
+    core.create_node(client.V1Node(metadata=metadata))
+    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    ready = {
+        "type": "Ready",
+        "status": "True",
+        "reason": "KubeletReady",
+        "message": "a test Node",
+        "lastHeartbeatTime": now,
+        "lastTransitionTime": now,
+    }
+    status = {"capacity": resources, "allocatable": resources, "conditions": [ready]}
+    core.patch_node_status(name, {"status": status})
+    core.patch_node(name, {"spec": {"taints": None}})
 
 
 def main() -> None:
