@@ -15,6 +15,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -522,3 +523,71 @@ def test_pffs_scheduler_binds_gangs_whole_prefers_one_tor_and_warm_nodes_and_say
     finally:
         scheduler.terminate()
         scheduler.wait(timeout=15)
+
+
+# The scheduler's and extender's view: listed once, then watched (no list per cycle)
+
+
+def test_an_informer_follows_nodes_through_a_watch_and_lists_again_after_410_gone(
+    cluster: KubeControlPlane,
+) -> None:
+    from kubernetes import client
+
+    from pffs.scheduler.kube.api_client import kubeconfig_api
+    from pffs.scheduler.kube.informer import Informer
+
+    seen: dict[str, Any] = {}
+    informer = Informer(
+        kubeconfig_api(cluster.kubeconfig),
+        "/api/v1/nodes",
+        listener=lambda key, obj: seen.__setitem__(key, obj),
+        backoff=0.2,
+    )
+    try:
+        before = {n["metadata"]["name"] for n in informer.items()}  # listed, and the watch starts
+        poll("the watch connected", informer.watching.is_set)
+        make_node(cluster.api(), "watched-1", annotations={"note": "first"})
+        poll("watched-1 arrives by the watch", lambda: "watched-1" in names(informer))
+        core = client.CoreV1Api(cluster.api())
+        core.patch_node("watched-1", {"metadata": {"annotations": {"note": "second"}}})
+        poll(
+            "the change arrives",
+            lambda: (
+                (seen.get("watched-1") or {}).get("metadata", {}).get("annotations", {}).get("note")
+                == "second"
+            ),
+        )
+        core.delete_node("watched-1")
+        poll("the deletion arrives", lambda: seen.get("watched-1", 0) is None)
+        assert names(informer) == before and informer.relists == 0
+    finally:
+        informer.stop()
+    # A watch from a version the server no longer keeps: 410 Gone, a fresh list, and the watch goes on from
+    # there. (The test API server watches ConfigMaps from etcd itself, which compacts every 10 s.)
+    api = kubeconfig_api(cluster.kubeconfig)
+    configmaps = "/api/v1/namespaces/default/configmaps"
+
+    def first_event_from_version_1() -> Any:
+        events = api.watch(configmaps, "1", seconds=1)
+        try:
+            return next(iter(events), {"type": "none"})
+        finally:
+            events.close()
+
+    core.create_namespaced_config_map("default", {"metadata": {"name": "before-gone"}})
+    poll("version 1 compacted away", lambda: first_event_from_version_1()["type"] == "ERROR")
+    stale = Informer(api, configmaps, backoff=0.2)
+    stale.resource_version = "1"
+    threading.Thread(target=stale._run, daemon=True).start()  # the watch loop, without the first list
+    try:
+        poll("a list after 410 Gone", lambda: stale.relists >= 1)
+        assert "before-gone" in names(stale)  # the list's objects
+        core.create_namespaced_config_map("default", {"metadata": {"name": "after-gone"}})
+        poll("the watch goes on after the new list", lambda: "after-gone" in names(stale))
+        assert stale.watching.is_set()
+    finally:
+        stale.stop()
+
+
+def names(informer: Any) -> set[str]:
+    return {n["metadata"]["name"] for n in informer.items()}  # watched: no request

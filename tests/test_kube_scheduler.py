@@ -535,7 +535,9 @@ class FakeApiServer(FakeHttpServer):
     """The Kubernetes REST endpoints the scheduler uses, over real HTTP, with the API server's semantics for
     them: lists page by page (at most `page` items, `continue` tokens), a Binding sets nodeName and copies
     its annotations onto the pod (409 if already bound), an Eviction deletes the pod, unknown resources are
-    404 Status objects, and a request without the bearer token is 401."""
+    404 Status objects, and a request without the bearer token is 401. It cannot watch (405, as some proxies
+    answer): the scheduler lists at every cycle, which keeps these tests' cycles exact; watch attempts are
+    kept apart in `watches`. Watching is tested against the real API server (test_kube_real.py)."""
 
     def __init__(self, page: int = 2) -> None:
         self.nodes: list[dict[str, Any]] = []
@@ -544,6 +546,7 @@ class FakeApiServer(FakeHttpServer):
         self.pdb_blocked: set[str] = set()  # pod keys a PodDisruptionBudget protects: eviction is 429
         self.page = page
         self.requests: list[tuple[str, str, Any, str]] = []  # method, path, body, content type
+        self.watches: list[str] = []  # paths a watch was asked for
         super().__init__(_FakeHandler)
 
     def posts(self, suffix: str) -> list[tuple[str, Any]]:
@@ -578,10 +581,15 @@ class _FakeHandler(JsonHandler):
         url = urllib.parse.urlsplit(self.path)
         query = dict(urllib.parse.parse_qsl(url.query))
         with self.api.lock:
-            self.api.requests.append((method, url.path, body, self.headers.get("Content-Type", "")))
             if self.headers.get("Authorization") != f"Bearer {TOKEN}":
+                self.api.requests.append((method, url.path, body, self.headers.get("Content-Type", "")))
                 self._send(401, _status(401, "Unauthorized", "Unauthorized"))
                 return
+            if query.get("watch") in ("1", "true"):
+                self.api.watches.append(url.path)
+                self._send(405, _status(405, "MethodNotAllowed", "watch is not supported here"))
+                return
+            self.api.requests.append((method, url.path, body, self.headers.get("Content-Type", "")))
             code, payload = self._route(method, url.path, query, body)
         self._send(code, payload)
 
@@ -922,6 +930,29 @@ def test_deploy_manifest_grants_exactly_what_the_scheduler_uses_fake_apiserver(
     assert ("", "pods/eviction", "create") in used and ("", "pods/binding", "create") in used
     assert ("", "pods/status", "patch") in used and ("", "events", "create") in used
     assert used == granted  # all that is used is granted, and nothing more is
+
+
+def test_a_pod_bound_before_the_watch_shows_it_keeps_its_room_stale_watch_imitated_fake_apiserver(
+    apiserver: FakeApiServer, kubeconfig: Path
+) -> None:
+    """Between a Binding and its watch event the watched copy still shows the pod unbound: the scheduler
+    counts it on its node meanwhile (an assumed pod), so the room is neither bound twice nor given away.
+    (The lag is imitated by handing the cycle an old copy of the pods.)"""
+    apiserver.nodes = [make_node("gpu-1", gpus=4)]
+    apiserver.pods = [make_pod("first", gpus=4)]
+    stale = copy.deepcopy(apiserver.pods)  # 'first' unbound, as a lagging watch still shows it
+    sched = scheduler_for(kubeconfig)
+    assert sched.cycle().bound == [("team-a/first", "gpu-1")]
+    apiserver.pods.append(make_pod("second", gpus=4))
+    sched._pods.items = lambda: [*copy.deepcopy(stale), copy.deepcopy(apiserver.pods[-1])]  # type: ignore[method-assign]
+    report = sched.cycle()
+    assert report.bound == [] and "no fit" in report.pending["pod:team-a/second"]
+    assert len(apiserver.posts("/binding")) == 1  # 'first' was not bound again
+    # the watch catches up: the pod's own nodeName and GPUs count, the assumption is dropped
+    sched._pods.items = lambda: copy.deepcopy(apiserver.pods)  # type: ignore[method-assign]
+    assert sched.cycle().bound == [] and sched._assumed == {}
+    apiserver.pods = [p for p in apiserver.pods if p["metadata"]["name"] != "first"]  # it finished
+    assert sched.cycle().bound == [("team-a/second", "gpu-1")]
 
 
 def test_taints_keep_pods_without_tolerations_off_fake_apiserver(

@@ -17,8 +17,9 @@ deploy/scheduler/extender-config.yaml for the KubeSchedulerConfiguration). A pod
 nodes score 0-10 by the fraction of its datasets their pffs cache holds (annotation pffs.io/cache on the
 Node, published by the pffs CSI node plugin). POST /filter and /prioritize take ExtenderArgs JSON; GET
 /healthz answers 200. With nodeCacheCapable: true kube-scheduler sends node names only: give
---kubeconfig or --in-cluster so the extender lists the Nodes' reports itself (every --node-refresh
-seconds). Runs until SIGTERM or Ctrl-C.
+--kubeconfig or --in-cluster so the extender reads the Nodes' reports itself (listed once, then watched:
+a new report counts at once; an API server that cannot watch is listed every --node-refresh seconds).
+Runs until SIGTERM or Ctrl-C.
 """
 
 
@@ -48,7 +49,10 @@ def add_parsers(sub: Any, verbosity: argparse.ArgumentParser) -> None:
     api.add_argument("--in-cluster", action="store_true", help="the same, with the pod's service account")
     p.add_argument("--context", help="kubeconfig context (default: current-context)")
     p.add_argument(
-        "--node-refresh", type=float, default=10.0, help="seconds between Node listings (default 10)"
+        "--node-refresh",
+        type=float,
+        default=10.0,
+        help="seconds between Node listings if the API server cannot watch (default 10)",
     )
     p.set_defaults(run=extender)
     add_scheduler_parser(sub, verbosity)
@@ -72,12 +76,12 @@ def extender(args: argparse.Namespace) -> int:
             api = in_cluster_api() if args.in_cluster else kubeconfig_api(args.kubeconfig, args.context)
         except BadObject as exc:
             raise UsageError(str(exc)) from None
-        watcher = NodeWatcher(service.reports, lambda: api.list_items("/api/v1/nodes"), args.node_refresh)
+        watcher = NodeWatcher(service.reports, api, args.node_refresh)
         watcher.start()
     server = make_server(args.address, args.port, service)
     signal.signal(signal.SIGTERM, _stop)
     host, port = str(server.server_address[0]), int(server.server_address[1])
-    source = "Nodes listed from the API server" if watcher else "the Nodes in each request"
+    source = "Nodes watched on the API server" if watcher else "the Nodes in each request"
     print(f"pffs extender: serving on http://{host}:{port}/ (filter, prioritize, healthz)", flush=True)
     print(f"pffs extender: cache reports from {source}", flush=True)
     try:

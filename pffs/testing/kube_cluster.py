@@ -132,6 +132,10 @@ class KubeControlPlane:
                 str(self.workdir / "certs"),
                 "--endpoint-reconciler-type",
                 "none",  # else 127.0.0.1 is refused as the advertise address
+                "--etcd-compaction-interval",
+                "10s",  # old versions go soon (5 min in production): watchers meet 410 Gone in tests too
+                "--watch-cache-sizes",
+                "configmaps#0",  # ConfigMaps are watched from etcd itself, whose compaction gives the 410
                 "--service-cluster-ip-range",
                 "10.96.0.0/24",
                 "--service-account-key-file",

@@ -1,6 +1,10 @@
-"""A small Kubernetes REST client over urllib: the few calls `pffs scheduler` makes, authenticated from a
-kubeconfig (bearer token or client certificate) or from the in-cluster service account. Tokens and keys are
-never logged or put in an error message."""
+"""The Kubernetes REST calls `pffs scheduler` and `pffs extender` make: one request (JSON in and out), a
+paged list with its resourceVersion, and a watch (a stream of events), over urllib3's kept-alive connections.
+
+Two ways to sign in share them: ``KubeApi`` takes a bearer token or a client certificate from a kubeconfig or
+the pod's service account (read here, so a bad one is one clear line at start), ``ClientApi`` goes through the
+official `kubernetes` client for what only it does (exec credential plugins and auth providers: EKS, GKE, AKS,
+OIDC). Tokens and keys are never logged or put in an error message."""
 
 from __future__ import annotations
 
@@ -12,16 +16,19 @@ import logging
 import os
 import ssl
 import tempfile
-import urllib.error
 import urllib.parse
-import urllib.request
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
+
+import urllib3
 
 from pffs.scheduler.kube.json_fields import BadObject, json_list, json_object
 
 log = logging.getLogger(__name__)
+
+# What a broken connection or answer raises below urllib3's own retries (which are off: the loop retries).
+TRANSPORT_ERRORS = (urllib3.exceptions.HTTPError, http.client.HTTPException, OSError, ValueError)
 
 
 class ApiError(Exception):
@@ -33,34 +40,141 @@ class ApiError(Exception):
         self.message = message
 
 
+class WatchUnsupported(ApiError):
+    """The server answered a watch with something else (a list: a proxy or a test server that ignores
+    ``watch=1``): the caller lists instead."""
+
+
 class RestCalls:
-    """What the scheduler and extender call: `request` (one REST call, JSON in and out, ApiError on any
-    failure) and `list_items` (every item of a list, page by page)."""
+    """One REST call (``request``), every item of a list (``list_all``), and a watch (``watch``), each
+    raising ApiError on any failure; subclasses only open the HTTP exchange (``_send``)."""
 
     server: str
+    timeout: float
+
+    def _send(
+        self, method: str, path: str, body: Any, content_type: str, timeout: Any
+    ) -> urllib3.BaseHTTPResponse:
+        """The server's answer to ``body`` (JSON-encoded here), unread, of any status; ApiError (status 0) if
+        there is none."""
+        raise NotImplementedError
 
     def request(
         self, method: str, path: str, body: Any = None, content_type: str = "application/json"
     ) -> Any:
-        raise NotImplementedError
+        response = self._send(method, path, body, content_type, self.timeout)
+        try:
+            payload = response.read()
+        except TRANSPORT_ERRORS as exc:  # cut short (IncompleteRead) or timed out mid-body
+            raise ApiError(method, path, 0, f"{self.server} gave a broken answer: {_reason(exc)}") from None
+        finally:
+            response.release_conn()
+        if response.status >= 400:
+            raise ApiError(
+                method, path, response.status, status_message(response.status, payload, response.reason or "")
+            )
+        try:
+            return json.loads(payload) if payload else None
+        except ValueError:  # a proxy's HTML page, say
+            raise ApiError(method, path, response.status, "the answer is not JSON") from None
 
     def list_items(self, path: str, page: int = 500) -> list[Any]:
         """Every item of a list, page by page (limit/continue)."""
+        return self.list_all(path, page)[0]
+
+    def list_all(self, path: str, page: int = 500) -> tuple[list[Any], str]:
+        """Every item of a list and the list's resourceVersion (where a watch of it starts)."""
         items: list[Any] = []
-        token = ""
+        token, version = "", ""
         while True:
             query = {"limit": str(page)} | ({"continue": token} if token else {})
             answer = self.request("GET", f"{path}?{urllib.parse.urlencode(query)}")
             if not isinstance(answer, Mapping) or not isinstance(answer.get("items"), list):
                 raise ApiError("GET", path, 200, "the answer is not a list object (items missing)")
             items += answer["items"]
-            token = (json_object(answer.get("metadata"), "list metadata")).get("continue") or ""
+            metadata = json_object(answer.get("metadata"), "list metadata")
+            version = version or str(
+                metadata.get("resourceVersion") or ""
+            )  # the first page's: the snapshot's
+            token = metadata.get("continue") or ""
             if not token:
-                return items
+                return items, version
+
+    def watch(self, path: str, resource_version: str, seconds: int = 300) -> WatchStream:
+        """The events of a list since ``resource_version`` (ADDED, MODIFIED, DELETED, BOOKMARK, ERROR), for
+        about ``seconds`` (then the server ends the stream and the caller watches again). Connected when this
+        returns; ApiError if the server refuses, WatchUnsupported if it answers with something else."""
+        query = {
+            "watch": "1",
+            "resourceVersion": resource_version,
+            "allowWatchBookmarks": "true",
+            "timeoutSeconds": str(seconds),
+        }
+        url = f"{path}?{urllib.parse.urlencode(query)}"
+        # A read deadline past the server's own end of the stream: a silent, dead connection is noticed.
+        timeout = urllib3.Timeout(connect=self.timeout, read=seconds + 30)
+        response = self._send("GET", url, None, "application/json", timeout)
+        if response.status >= 400:
+            payload = response.read()
+            response.release_conn()
+            if response.status in (400, 405, 501):
+                raise WatchUnsupported("GET", url, response.status, "the server does not watch this list")
+            raise ApiError(
+                "GET", url, response.status, status_message(response.status, payload, response.reason or "")
+            )
+        return WatchStream(response, url)
+
+
+class WatchStream:
+    """The JSON events of a watch, one per line, as the chunks arrive; ``close()`` from another thread ends
+    a read that waits for the next event."""
+
+    def __init__(self, response: urllib3.BaseHTTPResponse, url: str) -> None:
+        self.response, self.url = response, url
+
+    def __iter__(self) -> Iterator[Mapping[str, Any]]:
+        pending = b""
+        try:
+            for chunk in self.response.stream(65536):
+                pending += chunk
+                *lines, pending = pending.split(b"\n")
+                for line in lines:
+                    if line.strip():
+                        yield _event(line, self.url)
+            if pending.strip():
+                yield _event(pending, self.url)
+        except TRANSPORT_ERRORS as exc:
+            raise ApiError("GET", self.url, 0, f"the watch broke: {_reason(exc)}") from None
+        finally:
+            self.response.release_conn()
+
+    def close(self) -> None:
+        try:
+            self.response.shutdown()  # unblocks the reading thread, which then ends
+        except (RuntimeError, ValueError, OSError):
+            pass  # already ended and back in the pool: nothing waits on it
+
+
+def _event(line: bytes, url: str) -> Mapping[str, Any]:
+    try:
+        event = json.loads(line)
+    except ValueError:
+        raise WatchUnsupported("GET", url, 200, "the answer is not a stream of watch events") from None
+    if not isinstance(event, Mapping) or "type" not in event or not isinstance(event.get("object"), Mapping):
+        raise WatchUnsupported("GET", url, 200, "the answer is not a stream of watch events")
+    return event
+
+
+def _reason(exc: BaseException) -> str:
+    """A transport failure in a few words (urllib3 nests the cause), never a header's value."""
+    reason = getattr(exc, "reason", None) or exc
+    if isinstance(exc, ValueError) and not isinstance(exc, urllib3.exceptions.HTTPError):
+        return type(exc).__name__  # http.client's ValueErrors quote the header (the token)
+    return f"{type(reason).__name__}: {reason}" if str(reason) else type(reason).__name__
 
 
 class KubeApi(RestCalls):
-    """The few REST calls the scheduler makes, over urllib, with a bearer token or a client certificate."""
+    """The REST calls over a urllib3 pool, with a bearer token or a client certificate."""
 
     def __init__(
         self,
@@ -76,13 +190,15 @@ class KubeApi(RestCalls):
         self._token = token
         self._token_file = token_file  # re-read: projected service account tokens rotate
         self.timeout = timeout
+        # A few kept-alive connections: binds and status patches would otherwise each pay a TLS handshake.
+        self._pool = urllib3.PoolManager(num_pools=2, maxsize=4, ssl_context=context, retries=False)
 
     def __repr__(self) -> str:  # never the token
         return f"KubeApi({self.server!r})"
 
-    def request(
-        self, method: str, path: str, body: Any = None, content_type: str = "application/json"
-    ) -> Any:
+    def _send(
+        self, method: str, path: str, body: Any, content_type: str, timeout: Any
+    ) -> urllib3.BaseHTTPResponse:
         headers = {"Accept": "application/json", "User-Agent": "pffs-scheduler"}
         token = self._token
         if self._token_file:
@@ -95,34 +211,20 @@ class KubeApi(RestCalls):
             if not token.isprintable():  # http.client would refuse it with the token in its message
                 raise ApiError(method, path, 0, "the token holds characters not allowed in an HTTP header")
             headers["Authorization"] = f"Bearer {token}"
-        data = None
         if body is not None:
-            data = json.dumps(body).encode()
             headers["Content-Type"] = content_type
-        req = urllib.request.Request(self.server + path, data=data, headers=headers, method=method)
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout, context=self._context) as response:
-                payload = response.read()
-        except urllib.error.HTTPError as exc:
-            raise ApiError(method, path, exc.code, _status_message(exc)) from None
-        except (urllib.error.URLError, OSError) as exc:
-            reason = getattr(exc, "reason", exc)
-            raise ApiError(method, path, 0, f"cannot reach {self.server}: {reason}") from None
-        except http.client.HTTPException as exc:  # not HTTP, or cut short (BadStatusLine, IncompleteRead)
-            message = f"{self.server} gave a broken answer: {type(exc).__name__}"
-            raise ApiError(method, path, 0, message) from None
-        try:
-            return json.loads(payload) if payload else None
-        except ValueError:  # a proxy's HTML page, say
-            raise ApiError(method, path, 200, "the answer is not JSON") from None
-
-
-def _status_message(exc: urllib.error.HTTPError) -> str:
-    try:
-        body = exc.read()
-    except OSError:
-        body = b""
-    return status_message(exc.code, body, str(exc.reason))
+            return self._pool.request(
+                method,
+                self.server + path,
+                body=json.dumps(body).encode() if body is not None else None,
+                headers=headers,
+                timeout=timeout,
+                preload_content=False,
+                redirect=False,
+            )
+        except TRANSPORT_ERRORS as exc:
+            raise ApiError(method, path, 0, f"cannot reach {self.server}: {_reason(exc)}") from None
 
 
 def status_message(status: int, body: bytes, reason: str) -> str:
@@ -152,13 +254,15 @@ class ClientApi(RestCalls):
     def __repr__(self) -> str:  # never the token
         return f"ClientApi({self.server!r})"
 
-    def request(
-        self, method: str, path: str, body: Any = None, content_type: str = "application/json"
-    ) -> Any:
+    def _send(
+        self, method: str, path: str, body: Any, content_type: str, timeout: Any
+    ) -> urllib3.BaseHTTPResponse:
         resource, _, query = path.partition("?")
         headers = {"Accept": "application/json", "User-Agent": "pffs-scheduler"}
         if body is not None:
             headers["Content-Type"] = content_type
+        if isinstance(timeout, urllib3.Timeout):
+            timeout = (timeout.connect_timeout, timeout.read_timeout)
         try:
             method, url, headers, data, _ = self.client.param_serialize(
                 method,
@@ -168,20 +272,11 @@ class ClientApi(RestCalls):
                 body=body,
                 auth_settings=["BearerToken"],
             )
-            response = self.client.call_api(
-                method, url, header_params=headers, body=data, _request_timeout=self.timeout
-            )
-            payload = response.read()
+            return self.client.call_api(
+                method, url, header_params=headers, body=data, _request_timeout=timeout
+            ).response
         except Exception as exc:  # urllib3's, or the exec plugin's own failure: one line, no token
             raise ApiError(method, path, 0, f"cannot reach {self.server}: {type(exc).__name__}") from None
-        if response.status >= 400:
-            raise ApiError(
-                method, path, response.status, status_message(response.status, payload, response.reason)
-            )
-        try:
-            return json.loads(payload) if payload else None
-        except ValueError:
-            raise ApiError(method, path, response.status, "the answer is not JSON") from None
 
 
 def plugin_kubeconfig_api(path: Path, context_name: str | None, where: str) -> ClientApi:

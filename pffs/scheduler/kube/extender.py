@@ -19,11 +19,13 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from pffs.scheduler.kube.api_client import RestCalls
+from pffs.scheduler.kube.informer import Informer
 from pffs.scheduler.kube.json_fields import BadObject
 from pffs.scheduler.kube.locality import CachedDataset, locality, node_cache, pod_datasets
 
@@ -54,42 +56,38 @@ class NodeReports:
         with self._lock:
             return name in self._reports, self._reports.get(name)
 
-    def replace_all(self, nodes: list[Any]) -> int:
-        """Every node's report from a fresh Node list (nodes gone from the cluster are forgotten); a Node
-        without a name is skipped. Returns how many nodes were read."""
-        reports: dict[str, dict[str, CachedDataset] | None] = {}
-        for node in nodes:
-            metadata = node.get("metadata") if isinstance(node, Mapping) else None
-            name = metadata.get("name") if isinstance(metadata, Mapping) else None
-            if isinstance(name, str) and name:
-                reports[name] = node_cache(node)
+    def forget(self, name: str) -> None:
         with self._lock:
-            self._reports = reports
-        return len(reports)
+            self._reports.pop(name, None)
+
+    def follow(self, name: str, node: Mapping[str, Any] | None) -> None:
+        """An informer's listener: a Node added or changed (its report), or gone (``None``)."""
+        if node is None:
+            self.forget(name)
+        else:
+            self.update(name, node_cache(node))
 
 
 class NodeWatcher(threading.Thread):
-    """Keeps ``NodeReports`` current from the API server (``list_nodes``: e.g. ``KubeApi.list_items`` of
-    /api/v1/nodes), for kube-scheduler set up with ``nodeCacheCapable: true``, which sends node names only."""
+    """Keeps ``NodeReports`` current from the API server, for kube-scheduler set up with
+    ``nodeCacheCapable: true``, which sends node names only: the Nodes are listed once and watched, so a new
+    report counts as soon as the CSI plugin publishes it. A server that cannot watch is listed every
+    ``interval`` seconds."""
 
-    def __init__(self, reports: NodeReports, list_nodes: Callable[[], list[Any]], interval: float) -> None:
+    def __init__(self, reports: NodeReports, api: RestCalls, interval: float) -> None:
         super().__init__(name="pffs-node-watcher", daemon=True)
-        self.reports, self.list_nodes, self.interval = reports, list_nodes, interval
+        self.informer = Informer(api, "/api/v1/nodes", listener=reports.follow)
+        self.interval = interval
         self.stopped = threading.Event()
-        self.refreshed = threading.Event()  # set after each successful refresh
-
-    def refresh(self) -> None:
-        count = self.reports.replace_all(self.list_nodes())
-        log.debug("cache reports of %d nodes refreshed", count)
-        self.refreshed.set()
 
     def run(self) -> None:
         while not self.stopped.is_set():
             try:
-                self.refresh()
+                self.informer.items()  # lists only until the watch runs, or when it cannot
             except Exception as exc:  # the API server down or refusing: keep the last reports, say why
                 log.warning("cannot list Nodes for their cache reports (%s); keeping the last ones", exc)
             self.stopped.wait(self.interval)
+        self.informer.stop()
 
 
 class Extender:

@@ -1,10 +1,14 @@
 """`pffs scheduler`'s loop: the Kubernetes edge of the scheduling core.
 
-Each cycle lists Nodes, Pods and scheduler-plugins PodGroups, translates them into the core's objects
-(``snapshot.py``), runs one session (``core/session.run_session``) and carries out what it decided
-(``actions.py``): a Binding per placed pod, an Eviction per evicted pod, a PodScheduled=False condition for
-pods that wait. Everything is plain Kubernetes JSON over a small REST client (``api_client.py``, urllib): no
-client library, easy to test.
+Each cycle reads Nodes, Pods and scheduler-plugins PodGroups from watched copies (``informer.py``: listed
+once, then followed with a watch), translates them into the core's objects (``snapshot.py``), runs one
+session (``core/session.run_session``) and carries out what it decided (``actions.py``): a Binding per placed
+pod, an Eviction per evicted pod, a PodScheduled=False condition for pods that wait. Everything is plain
+Kubernetes JSON over a small REST layer (``api_client.py``): easy to test.
+
+A pod this scheduler bound counts on its node at once, before the watch brings the bound pod back (an
+"assumed" pod, as kube-scheduler's cache has them): otherwise the next cycle would see the room still free
+and fill it twice.
 
 A malformed object is one `BadObject` message: the pod is reported (log and Event) and skipped, the loop
 goes on.
@@ -22,8 +26,9 @@ from typing import TYPE_CHECKING, Any
 from pffs.scheduler.core.objects import Placement, PodGroup, Queue
 from pffs.scheduler.kube.actions import bind, evict, mark_unschedulable, post_scheduling_failure
 from pffs.scheduler.kube.api_client import ApiError, RestCalls
+from pffs.scheduler.kube.informer import Informer
 from pffs.scheduler.kube.json_fields import BadObject, object_key
-from pffs.scheduler.kube.names import MIN_MEMBER_ANNOTATION, PODGROUP_API, SCHEDULER_NAME
+from pffs.scheduler.kube.names import GPUS_ANNOTATION, MIN_MEMBER_ANNOTATION, PODGROUP_API, SCHEDULER_NAME
 from pffs.scheduler.kube.prometheus import SchedulerStats
 from pffs.scheduler.kube.snapshot import Snapshot, build_snapshot
 from pffs.scheduler.kube.taints import tolerates
@@ -34,6 +39,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 RunSession = Callable[..., "SessionResult"]
+
+# How long a bound pod is assumed on its node without the watch showing it there: far longer than a watch
+# event takes; past it the watched copy (re-listed if the watch broke) is trusted again.
+ASSUME_SECONDS = 30.0
 
 
 @dataclass
@@ -66,15 +75,23 @@ class Scheduler:
         self._reported: dict[str, str] = {}  # object -> last problem reported, so each is said once
         self._evicting: dict[str, set[str]] = {}  # group -> pods evicted for it, not gone yet
         self._podgroups_absent = False
+        self._nodes = Informer(api, "/api/v1/nodes")
+        self._pods = Informer(api, "/api/v1/pods")
+        self._podgroups = Informer(api, PODGROUP_API)
+        self._assumed: dict[str, tuple[Placement, float]] = {}  # pod key -> its binding, when
+
+    def close(self) -> None:
+        for informer in (self._nodes, self._pods, self._podgroups):
+            informer.stop()
 
     def cycle(self) -> CycleReport:
         report = CycleReport()
-        nodes = self.api.list_items("/api/v1/nodes")
-        pods = self.api.list_items("/api/v1/pods")
+        nodes = self._nodes.items()
+        pods = self._with_assumed(self._pods.items())
         snap = build_snapshot(nodes, pods, self._list_podgroups(), self.queues, self.scheduler_name)
         for what, problem in snap.problems.items():
             self._report_problem(what, problem)
-        live = {object_key(p, "Pod") for p in pods if isinstance(p, Mapping) and _safe_key(p)}
+        live = {key for p in pods if (key := _safe_key(p))}
         for name, victims in list(self._evicting.items()):
             victims &= live
             if not victims:
@@ -124,6 +141,29 @@ class Scheduler:
                 self.stats.cycle_failed(time.monotonic() - started)
                 log.exception("cycle failed")
             stop.wait(max(0.0, interval - (time.monotonic() - started)))
+        self.close()
+
+    def _with_assumed(self, pods: list[Any]) -> list[Any]:
+        """The pods, those bound here but not yet seen bound shown on their nodes (with their GPUs)."""
+        if not self._assumed:
+            return pods
+        now = time.monotonic()
+        out = []
+        for pod in pods:
+            key = _safe_key(pod)
+            assumed = self._assumed.get(key) if key else None
+            if assumed is not None:
+                placement, when = assumed
+                spec = pod.get("spec") if isinstance(pod.get("spec"), Mapping) else {}
+                if spec.get("nodeName") or now - when > ASSUME_SECONDS:
+                    del self._assumed[key]  # the watch caught up (or never will: trust it)
+                else:
+                    pod = _as_bound(pod, placement)
+            out.append(pod)
+        live = {_safe_key(p) for p in pods}
+        for key in self._assumed.keys() - live:
+            del self._assumed[key]  # deleted meanwhile
+        return out
 
     def _session(self) -> RunSession:
         if self._run_session is None:
@@ -134,7 +174,7 @@ class Scheduler:
 
     def _list_podgroups(self) -> list[Any]:
         try:
-            items = self.api.list_items(PODGROUP_API)
+            items = self._podgroups.items()
         except ApiError as exc:
             if exc.status != 404:
                 raise
@@ -208,6 +248,7 @@ class Scheduler:
             f" GPUs {placement.gpus}" * bool(placement.gpus),
         )
         report.bound.append((placement.pod.name, placement.node))
+        self._assumed[placement.pod.name] = (placement, time.monotonic())
 
     def _evict(self, placement: Placement, report: CycleReport) -> None:
         try:
@@ -246,9 +287,23 @@ class Scheduler:
             log.debug("could not post an Event for %s: %s", what, exc)
 
 
-def _safe_key(obj: Mapping[str, Any]) -> bool:
+def _safe_key(obj: Any) -> str:
+    """The pod's 'namespace/name', or "" for a malformed one (the snapshot reports it)."""
+    if not isinstance(obj, Mapping):
+        return ""
     try:
-        object_key(obj, "Pod")
+        return object_key(obj, "Pod")
     except BadObject:
-        return False
-    return True
+        return ""
+
+
+def _as_bound(pod: Mapping[str, Any], placement: Placement) -> dict[str, Any]:
+    """A copy of ``pod`` as its Binding makes it: on the node, with its GPUs' annotation."""
+    spec = pod.get("spec") if isinstance(pod.get("spec"), Mapping) else {}
+    bound: dict[str, Any] = {**pod, "spec": {**spec, "nodeName": placement.node}}
+    if placement.gpus:
+        metadata = pod.get("metadata") if isinstance(pod.get("metadata"), Mapping) else {}
+        annotations = metadata.get("annotations") if isinstance(metadata.get("annotations"), Mapping) else {}
+        gpus = ",".join(map(str, placement.gpus))
+        bound["metadata"] = {**metadata, "annotations": {**annotations, GPUS_ANNOTATION: gpus}}
+    return bound
