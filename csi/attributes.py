@@ -72,6 +72,7 @@ class VolumeAttributes(BaseModel):
     block_size: Size | None = Field(None, alias="blockSize")
     dir_ttl: float | None = Field(None, alias="dirTTL", ge=0, le=86400)
     attr_ttl: float | None = Field(None, alias="attrTTL", ge=0, le=86400)
+    backend_timeout: float | None = Field(None, alias="backendTimeout", gt=0, le=3600)
     read_only: bool = Field(False, alias="readOnly")
     prefetch_dirs: bool = Field(True, alias="prefetchDirs")
     uid: int | None = Field(None, alias="uid", ge=0, le=2**32 - 2)
@@ -167,6 +168,7 @@ def backend_options(attributes: VolumeAttributes, credentials: Credentials) -> B
         access_key_id=credentials.access_key_id,
         secret_access_key=credentials.secret_access_key,
         session_token=credentials.session_token,
+        **({"backend_timeout": attributes.backend_timeout} if attributes.backend_timeout else {}),
     )
 
 

@@ -7,6 +7,7 @@ PyTorch DataLoader worker, say) does not have, so a child makes its own on first
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import logging
 import os
@@ -17,8 +18,9 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import fsspec
-from fsspec.asyn import sync
+from fsspec.asyn import AsyncFileSystem, sync
 
+from pffs.backends.deadline import timeout_left
 from pffs.backends.errors import ObjectChangedError
 from pffs.backends.identity import identity_token, mtime_seconds
 from pffs.backends.request_stats import RequestStats
@@ -91,62 +93,87 @@ class Backend:
             mtime=mtime_seconds(raw),
         )
 
+    def _wait(self) -> dict[str, Any]:
+        """Keyword arguments that bound an fsspec call by the deadline: an async filesystem's calls run
+        through fsspec's ``sync``, whose own ``timeout`` cancels the request."""
+        if isinstance(self.fs, AsyncFileSystem):
+            return {"timeout": timeout_left(BLOCKING_CALL_LIMIT_S)}
+        return {}
+
+    # Filesystems that block in their own code (no timeout to pass down: HDFS clients, WebHDFS): each
+    # attempt runs on a thread of their own and is waited for only until the deadline.
+    bound_blocking_calls = True
+
+    def _attempt(self, fn: Callable[[], T]) -> Callable[[], T]:
+        if not self.bound_blocking_calls or isinstance(self.fs, AsyncFileSystem):
+            return fn
+
+        def bounded() -> T:
+            future = _blocking_pool().submit(fn)
+            try:
+                return future.result(timeout=timeout_left(BLOCKING_CALL_LIMIT_S))
+            except concurrent.futures.TimeoutError:
+                future.cancel()  # if it has not started; a call in flight ends when its client gives up
+                raise TimeoutError("no answer") from None
+
+        return bounded
+
     def _call(self, kind: str, fn: Callable[[], T], path: str) -> T:
-        """One request (with its retries), counted and timed as `kind` in self.requests."""
+        """One request (with its retries, within the deadline), counted and timed as `kind`."""
         started = time.perf_counter()
         failed = True
         try:
-            result = self.retry.call(fn, self.url(path))
+            result = self.retry.call(self._attempt(fn), self.url(path))
             failed = False
             return result
         finally:
             self.requests.record(kind, time.perf_counter() - started, failed)
 
     def stat(self, path: str) -> ObjectInfo:
-        return self._to_info(self._call("head", lambda: self.fs.info(path), path))
+        return self._to_info(self._call("head", lambda: self.fs.info(path, **self._wait()), path))
 
     def list_dir(self, path: str) -> list[ObjectInfo]:
-        entries = self._call("list", lambda: self.fs.ls(path, detail=True), path)
+        entries = self._call("list", lambda: self.fs.ls(path, detail=True, **self._wait()), path)
         return [self._to_info(e) for e in entries]
 
     def find(self, path: str) -> list[ObjectInfo]:
         """Every object under path (recursive), from as few listing requests as the backend allows."""
-        found = self._call("list", lambda: self.fs.find(path, detail=True), path)
+        found = self._call("list", lambda: self.fs.find(path, detail=True, **self._wait()), path)
         return [self._to_info(e) for e in found.values() if e.get("type") != "directory"]
 
     # Writes. Each drops what fsspec's own caches knew of the path; callers drop their own.
 
     def upload(self, local_path: str, path: str) -> None:
         """Puts a local file at path (multipart where the backend does that for large files)."""
-        self._call("put", lambda: self.fs.put_file(local_path, path), path)
+        self._call("put", lambda: self.fs.put_file(local_path, path, **self._wait()), path)
         self.invalidate(path)
 
     def write_bytes(self, path: str, data: bytes) -> None:
         """Puts a small object (a marker, a record) at path in one request."""
-        self._call("put", lambda: self.fs.pipe_file(path, data), path)
+        self._call("put", lambda: self.fs.pipe_file(path, data, **self._wait()), path)
         self.invalidate(path)
 
     def read_bytes(self, path: str) -> bytes:
         """The whole of a small object, in one request (FileNotFoundError if there is none)."""
-        return bytes(self._call("get", lambda: self.fs.cat_file(path), path))
+        return bytes(self._call("get", lambda: self.fs.cat_file(path, **self._wait()), path))
 
     def remove(self, path: str) -> None:
-        self._call("delete", lambda: self.fs.rm_file(path), path)
+        self._call("delete", lambda: self.fs.rm_file(path, **self._wait()), path)
         self.invalidate(path)
 
     def move(self, source: str, target: str) -> None:
         """A rename where the backend has one; copy then delete elsewhere (S3: not atomic)."""
-        self._call("copy", lambda: self.fs.mv(source, target), target)
+        self._call("copy", lambda: self.fs.mv(source, target, **self._wait()), target)
         self.invalidate(source)
         self.invalidate(target)
 
     def make_dir(self, path: str) -> None:
-        self._call("put", lambda: self.fs.makedirs(path, exist_ok=True), path)
+        self._call("put", lambda: self.fs.makedirs(path, exist_ok=True, **self._wait()), path)
         self.invalidate(path)
 
     def remove_dir(self, path: str) -> None:
         """Removes an empty directory (the caller checked it is empty)."""
-        self._call("delete", lambda: self.fs.rmdir(path), path)
+        self._call("delete", lambda: self.fs.rmdir(path, **self._wait()), path)
         self.invalidate(path)
 
     # False for object stores, where a prefix exists only while an object is under it.
@@ -157,7 +184,7 @@ class Backend:
         that can receive straight into `into` (end - start bytes) does, and returns it."""
 
         def read() -> bytes:
-            data = self.fs.cat_file(info.path, start=start, end=end)
+            data = self.fs.cat_file(info.path, start=start, end=end, **self._wait())
             if len(data) != end - start or self.verify_after_read:
                 self._check_unchanged(info)
             if len(data) != end - start:
@@ -171,7 +198,7 @@ class Backend:
 
     def _check_unchanged(self, info: ObjectInfo) -> None:
         self.fs.invalidate_cache(info.path)
-        now = self._to_info(self.fs.info(info.path))
+        now = self._to_info(self.fs.info(info.path, **self._wait()))
         if (now.identity, now.size) != (info.identity, info.size):
             raise ObjectChangedError(self.url(info.path))
 
@@ -181,6 +208,23 @@ class Backend:
 
 class LocalBackend(Backend):
     verify_after_read = True
+    bound_blocking_calls = False  # local files: no network to hang on
+
+
+BLOCKING_CALL_LIMIT_S = 3600.0  # a call's timeout where no deadline is set (the deadline is always nearer)
+_pool: concurrent.futures.ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _blocking_pool() -> concurrent.futures.ThreadPoolExecutor:
+    """Threads for calls into blocking clients. Bounded: when a hung backend holds them all, later calls
+    wait in its queue, and still only until their deadline."""
+    global _pool
+    with _pool_lock:
+        if _pool is None or getattr(_pool, "_pffs_pid", 0) != os.getpid():  # not a parent's, after fork
+            _pool = concurrent.futures.ThreadPoolExecutor(32, thread_name_prefix="pffs-backend-call")
+            _pool._pffs_pid = os.getpid()  # type: ignore[attr-defined]
+        return _pool
 
 
 class S3Backend(Backend):
@@ -252,7 +296,7 @@ class S3Backend(Backend):
 
         def read() -> bytes:
             try:
-                data = sync(fs.loop, get)
+                data = sync(fs.loop, get, timeout=timeout_left(BLOCKING_CALL_LIMIT_S))
             except OSError as exc:
                 if _s3_error_code(exc) == "PreconditionFailed":
                     raise ObjectChangedError(self.url(info.path)) from exc

@@ -22,6 +22,10 @@ class BackendOptions(BaseModel):
     credentials_file: str | None = None
     connect_timeout_s: float = 5.0
     read_timeout_s: float = 30.0
+    # The deadline of every backend call, retries included (pffs.backends.deadline): --backend-timeout.
+    backend_timeout: float = Field(
+        30.0, gt=0, description="seconds a backend call may take, retries included"
+    )
     max_connections: int = 64
     # Block fetches through pffs's own S3 client (pffs.backends.s3_native) rather than botocore's: the
     # same requests for a fraction of the CPU. Off when `extra` options could change how requests go.

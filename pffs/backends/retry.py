@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
+from pffs.backends.deadline import BackendTimeoutError, deadline
 from pffs.backends.errors import BackendUnavailableError, ObjectChangedError
 
 log = logging.getLogger(__name__)
@@ -41,25 +42,30 @@ class RetryPolicy:
     attempts: int = 4
     base_delay_s: float = 0.2
     max_delay_s: float = 5.0
+    timeout_s: float | None = None  # the deadline of one call, retries included (deadline.py); None: none
 
     def delay(self, attempt: int) -> float:
         capped = min(self.max_delay_s, self.base_delay_s * (2**attempt))
         return capped * (0.5 + random.random() / 2)
 
     def call(self, fn: Callable[[], T], url: str) -> T:
-        for attempt in range(self.attempts):
-            try:
-                return fn()
-            except BaseException as exc:
-                if not is_temporary(exc):
-                    raise permanent_error(exc, url) from exc
-                if attempt == self.attempts - 1:
-                    raise BackendUnavailableError(
-                        f"{url}: backend unavailable after {self.attempts} attempts: {describe(exc)}"
-                    ) from exc
-                pause = self.delay(attempt)
-                log.debug("temporary failure on %s (%s); retrying in %.2fs", url, describe(exc), pause)
-                time.sleep(pause)
+        with deadline(self.timeout_s) as at:
+            for attempt in range(self.attempts):
+                try:
+                    return fn()
+                except BaseException as exc:
+                    if not is_temporary(exc):
+                        raise permanent_error(exc, url) from exc
+                    left = None if at is None else at - time.monotonic()
+                    if left is not None and left <= 0.001:
+                        raise BackendTimeoutError(url, self.timeout_s or 0.0) from exc
+                    if attempt == self.attempts - 1:
+                        raise BackendUnavailableError(
+                            f"{url}: backend unavailable after {self.attempts} attempts: {describe(exc)}"
+                        ) from exc
+                    pause = self.delay(attempt) if left is None else min(self.delay(attempt), left)
+                    log.debug("temporary failure on %s (%s); retrying in %.2fs", url, describe(exc), pause)
+                    time.sleep(pause)
         raise AssertionError("unreachable")
 
 

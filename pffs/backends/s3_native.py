@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote, urlsplit
 
+from pffs.backends.deadline import timeout_left
 from pffs.backends.errors import ObjectChangedError
 
 EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
@@ -132,7 +133,8 @@ class _Connection:
     """One keep-alive HTTP/1.1 connection, used by one thread at a time."""
 
     def __init__(self, endpoint: BucketEndpoint, connect_timeout: float, read_timeout: float) -> None:
-        sock = socket.create_connection((endpoint.connect_host, endpoint.port), timeout=connect_timeout)
+        address = (endpoint.connect_host, endpoint.port)
+        sock = socket.create_connection(address, timeout=timeout_left(connect_timeout))
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if endpoint.scheme == "https":
             context = ssl.create_default_context(cafile=os.environ.get("AWS_CA_BUNDLE") or None)
@@ -219,7 +221,7 @@ class NativeS3Getter:
         wire = ("\r\n".join(request) + "\r\n\r\n").encode()
         connection, reused = self._connection(endpoint)
         try:
-            response = self._exchange(connection, wire)
+            response = self._exchange(connection, wire, self.read_timeout)
         except (ConnectionError, _EmptyAnswer):
             connection.close()
             self._forget(endpoint)
@@ -228,7 +230,7 @@ class NativeS3Getter:
             # A kept-alive connection the server had closed: one new connection, at once.
             connection, _ = self._connection(endpoint)
             try:
-                response = self._exchange(connection, wire)
+                response = self._exchange(connection, wire, self.read_timeout)
             except BaseException:
                 connection.close()
                 self._forget(endpoint)
@@ -238,7 +240,7 @@ class NativeS3Getter:
             self._forget(endpoint)
             raise
         try:
-            self._body(connection, response, into, etag)
+            self._body(connection, response, into, etag, self.read_timeout)
         except BaseException:
             connection.close()
             self._forget(endpoint)
@@ -271,12 +273,16 @@ class NativeS3Getter:
 
     # The wire.
 
+    # Each wait on the socket gets the read timeout, or what is left of the call's deadline if less.
+
     @staticmethod
-    def _exchange(connection: _Connection, wire: bytes) -> _Response:
+    def _exchange(connection: _Connection, wire: bytes, read_timeout: float) -> _Response:
         sock = connection.sock
+        sock.settimeout(timeout_left(read_timeout))
         sock.sendall(wire)
         received = bytearray()
         while True:
+            sock.settimeout(timeout_left(read_timeout))
             chunk = sock.recv(16384)
             if not chunk:
                 if not received:
@@ -299,14 +305,21 @@ class NativeS3Getter:
             headers[name.strip().lower()] = value.strip()
         return _Response(int(parts[1]), headers, bytes(received[end + 4 :]))
 
-    def _body(self, connection: _Connection, response: _Response, into: memoryview, etag: str | None) -> None:
+    def _body(
+        self,
+        connection: _Connection,
+        response: _Response,
+        into: memoryview,
+        etag: str | None,
+        read_timeout: float,
+    ) -> None:
         headers = response.headers
         if "content-length" not in headers or "chunked" in headers.get("transfer-encoding", ""):
             raise NotHandled("answer without a Content-Length")
         length = int(headers["content-length"])
         if response.status not in (200, 206):
             wanted = min(length, MAX_ERROR_BODY) - len(response.early_body)
-            body = response.early_body + _receive(connection.sock, wanted)
+            body = response.early_body + _receive(connection.sock, wanted, read_timeout)
             if length > MAX_ERROR_BODY:
                 raise NotHandled("error answer too long")  # the connection is closed by the caller
             _raise_for(response.status, body)
@@ -320,6 +333,7 @@ class NativeS3Getter:
         filled = len(early)
         sock = connection.sock
         while filled < length:
+            sock.settimeout(timeout_left(read_timeout))
             n = sock.recv_into(into[filled:], length - filled)
             if n == 0:
                 raise ConnectionResetError(
@@ -334,9 +348,10 @@ class _EmptyAnswer(Exception):
     """The connection was closed before a byte of the answer came (a stale keep-alive connection)."""
 
 
-def _receive(sock: socket.socket, count: int) -> bytes:
+def _receive(sock: socket.socket, count: int, read_timeout: float) -> bytes:
     parts = []
     while count > 0:
+        sock.settimeout(timeout_left(read_timeout))
         chunk = sock.recv(min(count, 65536))
         if not chunk:
             break

@@ -21,6 +21,7 @@ from fsspec.registry import known_implementations
 from pffs.backends.backend import Backend, LocalBackend, S3Backend
 from pffs.backends.errors import UnknownSchemeError
 from pffs.backends.options import BackendOptions
+from pffs.backends.retry import RetryPolicy
 
 ALIASES = {"s3a": "s3", "local": "file"}
 
@@ -40,12 +41,14 @@ def open_backend(url: str, options: BackendOptions | None = None) -> tuple[Backe
     """The backend for `url` and the path inside it (bucket/prefix for S3, an absolute path for files)."""
     options = options or BackendOptions()
     protocol, rest = split_url(url)
+    retry = RetryPolicy(timeout_s=options.backend_timeout)
     if protocol == "s3":
         native = options.native_s3_gets and not options.extra
-        return S3Backend("s3", partial(_make_s3fs, options), native_gets=native), rest.strip("/")
+        backend = S3Backend("s3", partial(_make_s3fs, options), retry, native_gets=native)
+        return backend, rest.strip("/")
     if protocol == "file":
         path = rest if rest.startswith("/") else "/" + rest
-        return LocalBackend("file", partial(fsspec.filesystem, "file")), os.path.normpath(path)
+        return LocalBackend("file", partial(fsspec.filesystem, "file"), retry), os.path.normpath(path)
     if protocol not in known_implementations and protocol not in fsspec.available_protocols():
         raise UnknownSchemeError(
             f"unknown URL scheme {protocol!r} in {url!r}; use s3://, file:// (or a path), memory://, "
@@ -57,7 +60,7 @@ def open_backend(url: str, options: BackendOptions | None = None) -> tuple[Backe
     path = cls._strip_protocol(url)
     storage_options.setdefault("skip_instance_cache", True)
     backend_cls = LocalBackend if protocol == "memory" else Backend
-    return backend_cls(protocol, partial(fsspec.filesystem, protocol, **storage_options)), path
+    return backend_cls(protocol, partial(fsspec.filesystem, protocol, **storage_options), retry), path
 
 
 def _make_s3fs(options: BackendOptions) -> fsspec.AbstractFileSystem:
@@ -69,8 +72,9 @@ def _make_s3fs(options: BackendOptions) -> fsspec.AbstractFileSystem:
         # Our metadata cache has its own TTL; s3fs's listing cache would outlive it.
         "use_listings_cache": False,
         "config_kwargs": {
-            "connect_timeout": options.connect_timeout_s,
-            "read_timeout": options.read_timeout_s,
+            # no wait longer than the deadline (which also cancels the request: deadline.py)
+            "connect_timeout": min(options.connect_timeout_s, options.backend_timeout),
+            "read_timeout": min(options.read_timeout_s, options.backend_timeout),
             "max_pool_connections": options.max_connections,
             "retries": {"max_attempts": 1},  # our RetryPolicy is the only retry loop
         },

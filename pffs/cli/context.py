@@ -21,6 +21,7 @@ BACKEND_OPTIONS = {
     "profile": "profile",
     "credentials_file": "credentials_file",
     "anonymous": "anonymous",
+    "backend_timeout": "backend_timeout",
 }
 
 
@@ -38,7 +39,10 @@ def cache_settings(args: argparse.Namespace, **overrides: Any) -> CacheSettings:
 
 def backend_options(args: argparse.Namespace) -> BackendOptions:
     given = _given(args, BACKEND_OPTIONS)
-    return BackendOptions(**{BACKEND_OPTIONS[k]: v for k, v in given.items()})
+    try:
+        return BackendOptions(**{BACKEND_OPTIONS[k]: v for k, v in given.items()})
+    except ValidationError as exc:
+        raise BadOptionError(settings_error(exc).replace("_", "-")) from None
 
 
 def open_vfs(url: str, args: argparse.Namespace, **overrides: Any) -> tuple[Vfs, str]:

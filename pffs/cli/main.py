@@ -66,6 +66,13 @@ def global_options() -> argparse.ArgumentParser:
     g.add_argument("--profile", default=s, help="AWS profile for credentials")
     g.add_argument("--credentials-file", default=s, help="AWS shared credentials file")
     g.add_argument("--anonymous", action="store_true", default=s, help="no credentials (public buckets)")
+    g.add_argument(
+        "--backend-timeout",
+        default=s,
+        type=float,
+        help="seconds a backend request may take, retries included, before the read fails with ETIMEDOUT "
+        "(default 30); cached data is served meanwhile",
+    )
     g.add_argument("-v", "--verbose", action="count", default=s, help="more logging (-vv for debug)")
     return p
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import http.client
 import json
 import logging
@@ -149,10 +150,9 @@ class WatchStream:
             self.response.release_conn()
 
     def close(self) -> None:
-        try:
-            self.response.shutdown()  # unblocks the reading thread, which then ends
-        except (RuntimeError, ValueError, OSError):
-            pass  # already ended and back in the pool: nothing waits on it
+        # shutdown() unblocks the reading thread, which then ends; a stream already back in the pool refuses
+        with contextlib.suppress(RuntimeError, ValueError, OSError):
+            self.response.shutdown()
 
 
 def _event(line: bytes, url: str) -> Mapping[str, Any]:
