@@ -33,7 +33,7 @@ from typing import Any
 import diskcache
 from diskcache.core import MODE_BINARY, UNKNOWN
 
-from .block_format import Header, block_header, read_block_file, read_block_range
+from .block_format import Header, block_header, header_size, read_block_file, read_block_range
 from .fork import sqlite_fork_gate
 
 
@@ -51,10 +51,22 @@ class BlockDisk(diskcache.Disk):
         if not isinstance(value, BlockPayload):
             return super().store(value, read, key=key)
         filename = block_filename(key)
+        temporary, size = self.write_temporary(filename, value.data)
+        try:
+            os.rename(temporary, os.path.join(self._directory, filename))
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(temporary)
+            raise
+        return size, MODE_BINARY, filename, None
+
+    def write_temporary(self, filename: str, data: bytes | memoryview) -> tuple[str, int]:
+        """The block (header and payload) in a temporary file next to where `filename` goes: its path and
+        size. The caller renames it into place, or removes it."""
         full_path = os.path.join(self._directory, filename)
         temporary = f"{full_path}.{os.getpid()}.{threading.get_ident()}.tmp"
-        header = block_header(value.data)
-        payload = memoryview(value.data).cast("B")
+        header = block_header(data)
+        payload = memoryview(data).cast("B")
         direct = self.direct_io and _direct_supported and len(payload) >= PAGE and _page_aligned(payload)
         fd = _create(temporary, os.O_DIRECT if direct else 0)
         try:
@@ -64,14 +76,13 @@ class BlockDisk(diskcache.Disk):
                 _write_all(fd, [memoryview(header), payload], 0)
             os.close(fd)
             fd = -1
-            os.rename(temporary, full_path)
         except BaseException:
             if fd >= 0:
                 os.close(fd)
             with contextlib.suppress(OSError):
                 os.unlink(temporary)
             raise
-        return len(header) + len(value.data), MODE_BINARY, filename, None
+        return temporary, len(header) + len(payload)
 
     direct_io = False  # write with O_DIRECT (from page-aligned buffers); set by the store
 
@@ -132,6 +143,12 @@ def _write_all(fd: int, parts: list[memoryview], offset: int) -> None:
             written = os.pwrite(fd, part, offset)
             part = part[written:]
             offset += written
+
+
+# A reserved row's access time: RESERVED + when it was reserved. Least-recently-used eviction takes rows in
+# access-time order, so reservations come last, and one older than STALE_RESERVATION_S is a dead writer's.
+RESERVED = 1e12
+STALE_RESERVATION_S = 600.0
 
 
 def block_filename(key: str) -> str:
@@ -209,39 +226,128 @@ class BlockStore(diskcache.Cache):
             os.unlink(self.block_path(key))
 
     def put_blocks(self, blocks: list[tuple[str, BlockPayload]]) -> int:
-        """Stores the blocks (replacing any under the same keys): their files first, then one transaction
-        for all their rows and the evictions they make necessary, so the SQLite write lock is taken once
-        per batch and the store is never over its size limit, even if the process dies next. Returns the
-        number of blocks evicted."""
+        """Stores the blocks that are not stored yet, never holding more bytes than the size limit, whatever
+        the number of processes writing: room is reserved first (a row of the block's size, evicting the
+        least recently used blocks, their files removed in the same transaction), then the file is written
+        under a temporary name, then renamed into place if its row is still there. A block that cannot get
+        room (the limit is smaller than the blocks being written at once) is not kept. Returns the number
+        of blocks evicted."""
         now = time.time()
-        rows = []
-        for key, payload in blocks:
-            db_key, raw = self._disk.put(key)
-            size, mode, filename, value = self._disk.store(payload, False, key=key)
-            rows.append((db_key, raw, (None, None, size, mode, filename, value)))
+        wanted = [(key, payload, block_filename(key)) for key, payload in blocks]
+        evicted, reserved = self._reserve(wanted, now)
+        written: list[tuple[str, str, str]] = []  # key, filename, temporary path
         try:
-            with self._transact(retry=True) as (sql, _):
-                for db_key, raw, columns in rows:
-                    found = sql("SELECT rowid FROM Cache WHERE key = ? AND raw = ?", (db_key, raw)).fetchall()
-                    if found:  # the same key: the same file name, just written again
-                        self._row_update(found[0][0], now, columns)
-                    else:
-                        self._row_insert(db_key, raw, now, columns)
-                return self.cull(retry=True) if self.volume() > self.size_limit else 0
+            for key, payload, filename in wanted:
+                if key in reserved:
+                    temporary, _ = self._disk.write_temporary(filename, payload.data)
+                    written.append((key, filename, temporary))
+            self._publish(written)
         except BaseException:
-            for _, _, columns in rows:
-                self._disk.remove(columns[4])  # no file without a row
+            for _, _, temporary in written:
+                with contextlib.suppress(OSError):
+                    os.unlink(temporary)
+            with contextlib.suppress(Exception):
+                self._release([key for key in reserved])
             raise
+        return evicted
+
+    def _reserve(self, wanted: list[tuple[str, BlockPayload, str]], now: float) -> tuple[int, set[str]]:
+        """Rows for the blocks not stored yet, marked reserved (access time RESERVED + now), and room for
+        them; returns (blocks evicted, keys reserved)."""
+        reserved: set[str] = set()
+        with self._transact(retry=True) as (sql, _):
+            for key, payload, filename in wanted:
+                db_key, raw = self._disk.put(key)
+                found = sql(
+                    "SELECT rowid, access_time FROM Cache WHERE key = ? AND raw = ?", (db_key, raw)
+                ).fetchall()
+                if found:
+                    rowid, access_time = found[0]
+                    if access_time >= RESERVED + now - STALE_RESERVATION_S:
+                        continue  # being written by another process: the same bytes
+                    if access_time < RESERVED and os.path.exists(os.path.join(self.directory, filename)):
+                        continue  # stored
+                    sql("DELETE FROM Cache WHERE rowid = ?", (rowid,))  # a dead writer's, or its file lost
+                size = header_size(len(payload.data)) + len(payload.data)
+                sql(
+                    "INSERT INTO Cache(key, raw, store_time, expire_time, access_time, access_count, tag, "
+                    "size, mode, filename, value) VALUES (?, ?, ?, NULL, ?, 0, NULL, ?, ?, ?, NULL)",
+                    (db_key, raw, now, RESERVED + now, size, MODE_BINARY, filename),
+                )
+                reserved.add(key)
+            evicted = self._make_room(sql, now)
+            # Still over (blocks reserved at once outgrow the limit): the last of ours go unkept.
+            for key, _, _ in reversed(wanted):
+                if self.volume() <= self.size_limit or not reserved:
+                    break
+                if key in reserved:
+                    db_key, raw = self._disk.put(key)
+                    sql("DELETE FROM Cache WHERE key = ? AND raw = ?", (db_key, raw))
+                    reserved.discard(key)
+        return evicted, reserved
+
+    def _make_room(self, sql: Any, now: float) -> int:
+        """Evicts least recently used blocks until the store is within its limit, removing their files
+        before the transaction ends (so no file outlives the row that counts it); then reservations left
+        by a process that died while writing (older than STALE_RESERVATION_S)."""
+        self._flush_touches_in(sql)
+        evicted = 0
+        for limit in (RESERVED, RESERVED + now - STALE_RESERVATION_S):
+            while self.volume() > self.size_limit:
+                rows = sql(
+                    "SELECT rowid, filename FROM Cache WHERE access_time < ? ORDER BY access_time LIMIT 16",
+                    (limit,),
+                ).fetchall()
+                if not rows:
+                    break
+                for rowid, filename in rows:
+                    sql("DELETE FROM Cache WHERE rowid = ?", (rowid,))
+                    if filename:
+                        with contextlib.suppress(FileNotFoundError):
+                            os.unlink(os.path.join(self.directory, filename))
+                    evicted += 1
+        return evicted
+
+    def _publish(self, written: list[tuple[str, str, str]]) -> None:
+        """Renames each written block into place while its reservation stands (under the write lock, so no
+        eviction runs between the check and the rename), and marks it used now."""
+        if not written:
+            return
+        now = time.time()
+        with self._transact(retry=True) as (sql, _):
+            for key, filename, temporary in written:
+                db_key, raw = self._disk.put(key)
+                if sql("SELECT 1 FROM Cache WHERE key = ? AND raw = ?", (db_key, raw)).fetchall():
+                    os.rename(temporary, os.path.join(self.directory, filename))
+                    sql("UPDATE Cache SET access_time = ? WHERE key = ? AND raw = ?", (now, db_key, raw))
+                else:  # evicted meanwhile (cleared, or a stale reservation): not kept
+                    os.unlink(temporary)
+
+    def _release(self, keys: list[str]) -> None:
+        with self._transact(retry=True) as (sql, _):
+            for key in keys:
+                db_key, raw = self._disk.put(key)
+                sql(
+                    "DELETE FROM Cache WHERE key = ? AND raw = ? AND access_time >= ?",
+                    (db_key, raw, RESERVED),
+                )
 
     def flush_touches(self) -> None:
-        touched, self._touched = self._touched, {}
-        self._next_touch_flush = time.monotonic() + self.TOUCH_FLUSH_S
-        if not touched:
+        if not self._touched:
+            self._next_touch_flush = time.monotonic() + self.TOUCH_FLUSH_S
             return
         with self._transact(retry=True) as (sql, _):
-            for key, when in touched.items():
-                db_key, raw = self._disk.put(key)
-                sql("UPDATE Cache SET access_time = ? WHERE key = ? AND raw = ?", (when, db_key, raw))
+            self._flush_touches_in(sql)
+
+    def _flush_touches_in(self, sql: Any) -> None:
+        touched, self._touched = self._touched, {}
+        self._next_touch_flush = time.monotonic() + self.TOUCH_FLUSH_S
+        for key, when in touched.items():
+            db_key, raw = self._disk.put(key)
+            sql(
+                "UPDATE Cache SET access_time = ? WHERE key = ? AND raw = ? AND access_time < ?",
+                (when, db_key, raw, RESERVED),  # a reservation stays one until its file is in place
+            )
 
     def cull(self, retry: bool = False) -> int:
         self.flush_touches()

@@ -7,18 +7,23 @@ import multiprocessing
 import os
 import random
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+import fsspec
 import pytest
+from helpers import pattern, sha256
 
 from pffs.cache import BlockCache
 from pffs.cache.block_format import CorruptBlockError, header_size, pack_block, unpack_block
 from pffs.cache.memory_tier import MemoryTier
 from pffs.cache.single_flight import SingleFlight
 from pffs.cache.stats import CacheStats, read_totals
+from pffs.testing.s3_server import SeaweedS3
 
 KIB = 1024
 
@@ -379,3 +384,78 @@ def test_children_forked_while_the_disk_writer_commits_can_use_the_cache(tmp_pat
     finally:
         stop.set()
         writer.join()
+
+
+# ------------------------------------------------------------------------------------------- hard bound
+
+
+def test_processes_filling_one_small_cache_at_once_never_hold_more_than_its_bound(
+    s3_server: SeaweedS3, raw_s3: Any, bucket: str, tmp_path: Path
+) -> None:
+    """Four `pffs warmup` processes write 48 MiB of blocks into one 16 MiB disk cache at once. The cache
+    sits on a tmpfs of its own, whose used bytes (sampled every few ms, less SQLite's WAL files, which the
+    bound does not count) must never exceed the bound; afterwards every file reads exactly."""
+    bound = 16 << 20
+    files = {
+        f"{bucket}/p{p}/f{i}.bin": pattern((1 << 20) + 4096 * i, seed=10 * p + i)
+        for p in range(4)
+        for i in range(12)
+    }
+    raw_s3.pipe(files)
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256m", "tmpfs", str(cache)], check=True)
+    try:
+        options = ["--cache-dir", str(cache), "--cache-size", "16M", "--block-size", "1M"]
+        options += ["--endpoint-url", s3_server.endpoint_url]
+        env = {
+            **os.environ,
+            "AWS_ACCESS_KEY_ID": s3_server.access_key,
+            "AWS_SECRET_ACCESS_KEY": s3_server.secret_key,
+        }
+        samples: list[int] = []
+        done = threading.Event()
+
+        def sample() -> None:
+            while not done.is_set():
+                fs = os.statvfs(cache)
+                used = (fs.f_blocks - fs.f_bfree) * fs.f_frsize
+                wal = sum(p.stat().st_size for p in (cache / "blocks").glob("cache.db-*") if p.exists())
+                samples.append(used - wal)
+                time.sleep(0.002)
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-m", "pffs.cli.main", "warmup", f"s3://{bucket}/p{p}/", *options],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+            )
+            for p in range(4)
+        ]
+        try:
+            results = [proc.communicate(timeout=240) for proc in procs]
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+            done.set()
+            sampler.join(5)
+        assert all(proc.returncode == 0 for proc in procs), [err.decode()[-2000:] for _, err in results]
+        assert len(samples) > 50, "too few samples to judge"
+        assert max(samples) <= bound, f"the cache held {max(samples) / 2**20:.1f} MiB, bound 16 MiB"
+        fs = fsspec.filesystem(
+            "pffs",
+            target=f"s3://{bucket}",
+            cache_dir=str(cache),
+            cache_size="16M",
+            block_size="1M",
+            **s3_server.storage_options(),
+        )
+        for path, data in files.items():
+            assert sha256(fs.cat_file(path.split("/", 1)[1])) == sha256(data), path
+    finally:
+        subprocess.run(["umount", "-l", str(cache)], check=False)

@@ -319,6 +319,36 @@ def test_unsupported_operations_give_the_documented_errno(rw: tuple[Mount, str])
     os.chmod(mount.path / "f", 0o644)  # the mode it already has: accepted
 
 
+def test_names_the_backend_cannot_store_are_refused_with_enametoolong(
+    rw: tuple[Mount, str], raw_s3: s3fs.S3FileSystem
+) -> None:
+    mount, bucket = rw
+    assert os.statvfs(mount.path).f_namemax == 255
+    longest = "n" * 255
+    data = pattern(5000, seed=9)
+    (mount.path / longest).write_bytes(data)  # 255 bytes: stored, exactly
+    assert sha256(raw_s3.cat_file(f"{bucket}/{longest}")) == sha256(data)
+    (mount.path / "d").mkdir()
+    deep = mount.path / "d"
+    for level in range(3):  # three 255-byte names of directories: the key is still under S3's 1,024
+        deep = deep / f"{level}{'x' * 254}"
+        deep.mkdir()
+    too_long = "y" * 256
+    cases = [
+        lambda: (mount.path / too_long).write_bytes(b"x"),  # create
+        lambda: os.stat(mount.path / too_long),  # lookup: ENAMETOOLONG, not ENOENT
+        lambda: os.mkdir(mount.path / too_long),
+        lambda: os.rename(mount.path / longest, mount.path / too_long),
+        lambda: (deep / ("z" * 255)).write_bytes(b"x"),  # each name fits, the whole key (1,026) does not
+        lambda: os.mkdir(deep / ("z" * 255)),
+    ]
+    for operation in cases:
+        with pytest.raises(OSError) as exc:
+            operation()
+        assert exc.value.errno == errno.ENAMETOOLONG, operation
+    assert sha256((mount.path / longest).read_bytes()) == sha256(data)  # the refused rename left it
+
+
 def test_failed_upload_is_an_error_and_keeps_the_data(tmp_path: Path) -> None:
     with SeaweedS3(tmp_path / "own-server") as server:
         raw = s3fs.S3FileSystem(

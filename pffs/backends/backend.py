@@ -179,6 +179,28 @@ class Backend:
     # False for object stores, where a prefix exists only while an object is under it.
     has_real_directories = True
 
+    NAME_MAX = 255  # bytes in one path component (POSIX file systems, HDFS, S3 tools' conventions)
+    max_key_bytes: int | None = None  # bytes in a whole object key, where the store limits it
+
+    def name_too_long(self, path: str) -> str | None:
+        """Why `path` (the backend's own) cannot be stored under that name, or None if it can."""
+        url = self.url(path)
+        shown = url if len(url) <= 100 else f"{url[:97]}..."
+        for part in path.split("/"):
+            if len(part.encode()) > self.NAME_MAX:
+                return (
+                    f"{shown}: a name longer than {self.NAME_MAX} bytes, which {self.protocol} cannot store"
+                )
+        if self.max_key_bytes is not None and len(self.key_of(path).encode()) > self.max_key_bytes:
+            return (
+                f"{shown}: a key longer than {self.max_key_bytes} bytes, which {self.protocol} cannot store"
+            )
+        return None
+
+    def key_of(self, path: str) -> str:
+        """The object key of `path` where the store names objects so (S3: the path after the bucket)."""
+        return path
+
     def read_range(self, info: ObjectInfo, start: int, end: int, into: memoryview | None = None) -> Block:
         """Bytes [start, end) of exactly the version `info` describes, or ObjectChangedError. A backend
         that can receive straight into `into` (end - start bytes) does, and returns it."""
@@ -308,6 +330,10 @@ class S3Backend(Backend):
         return self._call("get", read, info.path)
 
     has_real_directories = False
+    max_key_bytes = 1024  # S3's limit on a key's UTF-8 bytes
+
+    def key_of(self, path: str) -> str:
+        return path.split("/", 1)[1] if "/" in path else ""
 
     def make_dir(self, path: str) -> None:
         """Nothing to create: the VFS keeps a new directory until a file is written under it."""

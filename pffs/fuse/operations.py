@@ -58,7 +58,7 @@ def fuse_errors(handler: Callable[P, Coroutine[Any, Any, T]]) -> Callable[P, Cor
             raise
         except OSError as exc:
             code = exc.errno if isinstance(exc.errno, int) and exc.errno > 0 else errno.EIO
-            if code in (errno.ENOENT, errno.EEXIST, errno.ENOTEMPTY, errno.ENODATA):
+            if code in (errno.ENOENT, errno.EEXIST, errno.ENOTEMPTY, errno.ENODATA, errno.ENAMETOOLONG):
                 log.debug("%s: %s", handler.__name__, describe(exc))
             else:
                 log.warning("%s: %s", handler.__name__, describe(exc))
@@ -161,7 +161,15 @@ class Operations(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.EROFS)
 
     def _child(self, parent_inode: int, name: bytes) -> str:
-        return self.ns.join(self.inodes.path(parent_inode), os.fsdecode(name))
+        path = self.ns.join(self.inodes.path(parent_inode), os.fsdecode(name))
+        self._check_name(path)
+        return path
+
+    def _check_name(self, path: str) -> None:
+        """ENAMETOOLONG for a name the backend cannot store: refused here, never accepted and lost later."""
+        why = self.vfs.backend.name_too_long(path)
+        if why is not None:
+            raise OSError(errno.ENAMETOOLONG, why)
 
     # Names
 
@@ -176,6 +184,7 @@ class Operations(pyfuse3.Operations):
         if text == "..":
             above = parent if parent_inode == ROOT_INODE else posixpath.dirname(parent)
             return self.attributes(self.inodes.remember(above), await self._stat(above))
+        self._check_name(self.ns.join(parent, text))
         info = self.ns.lookup_now(parent, text)
         if info is UNKNOWN:
             info = await self._backend(self.ns.lookup, parent, text)
@@ -447,7 +456,7 @@ class Operations(pyfuse3.Operations):
         disk = os.statvfs(self.staging.directory)
         result.f_bfree = result.f_bavail = disk.f_bavail * disk.f_frsize // STATFS_BLOCK
         result.f_files = result.f_ffree = result.f_favail = 1 << 32
-        result.f_namemax = 255 if self.vfs.backend.has_real_directories else 1024
+        result.f_namemax = self.vfs.backend.NAME_MAX  # what a component may hold; whole keys are checked too
         return result
 
     @fuse_errors
