@@ -154,8 +154,7 @@ class Scheduler:
             assumed = self._assumed.get(key) if key else None
             if assumed is not None:
                 placement, when = assumed
-                spec = pod.get("spec") if isinstance(pod.get("spec"), Mapping) else {}
-                if spec.get("nodeName") or now - when > ASSUME_SECONDS:
+                if _field(pod, "spec").get("nodeName") or now - when > ASSUME_SECONDS:
                     del self._assumed[key]  # the watch caught up (or never will: trust it)
                 else:
                     pod = _as_bound(pod, placement)
@@ -297,13 +296,18 @@ def _safe_key(obj: Any) -> str:
         return ""
 
 
+def _field(obj: Mapping[str, Any], name: str) -> Mapping[str, Any]:
+    """obj[name] if it is an object, else empty (the snapshot reports malformed pods)."""
+    value = obj.get(name)
+    return value if isinstance(value, Mapping) else {}
+
+
 def _as_bound(pod: Mapping[str, Any], placement: Placement) -> dict[str, Any]:
     """A copy of ``pod`` as its Binding makes it: on the node, with its GPUs' annotation."""
-    spec = pod.get("spec") if isinstance(pod.get("spec"), Mapping) else {}
-    bound: dict[str, Any] = {**pod, "spec": {**spec, "nodeName": placement.node}}
+    bound: dict[str, Any] = {**pod, "spec": {**_field(pod, "spec"), "nodeName": placement.node}}
     if placement.gpus:
-        metadata = pod.get("metadata") if isinstance(pod.get("metadata"), Mapping) else {}
-        annotations = metadata.get("annotations") if isinstance(metadata.get("annotations"), Mapping) else {}
+        metadata = _field(pod, "metadata")
+        annotations = _field(metadata, "annotations")
         gpus = ",".join(map(str, placement.gpus))
         bound["metadata"] = {**metadata, "annotations": {**annotations, GPUS_ANNOTATION: gpus}}
     return bound
