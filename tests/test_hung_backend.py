@@ -77,8 +77,9 @@ def test_a_hung_server_fails_uncached_reads_in_time_and_serves_cached_ones_throu
     bucket = f"hung-{os.getpid()}-{int(time.time())}"
     raw.mkdir(bucket)
     warm, cold = pattern(3 << 20, seed=1), pattern(2 << 20, seed=2)
+    # cold.bin in a directory of its own: reading warm.bin must not fetch it ahead (directory prefetch)
     raw.pipe(
-        {f"{bucket}/data/warm.bin": warm, f"{bucket}/data/cold.bin": cold, f"{bucket}/other/x.bin": b"x"}
+        {f"{bucket}/data/warm.bin": warm, f"{bucket}/apart/cold.bin": cold, f"{bucket}/other/x.bin": b"x"}
     )
     written = pattern(1 << 20, seed=3)
     extra = ("--backend-timeout", str(TIMEOUT_S), "--endpoint-url", own_server.endpoint_url)
@@ -88,7 +89,7 @@ def test_a_hung_server_fails_uncached_reads_in_time_and_serves_cached_ones_throu
         listed = sorted(os.listdir(data))
         with frozen(own_server):
             # an object never read: its blocks must come from the server, which does not answer
-            seconds, error, _ = timed(lambda: read_file(data / "cold.bin"))
+            seconds, error, _ = timed(lambda: read_file(mount.path / "apart" / "cold.bin"))
             assert isinstance(error, OSError) and error.errno in (errno.ETIMEDOUT, errno.EIO), error
             assert seconds < TIMEOUT_S + MARGIN_S, f"an uncached read took {seconds:.1f} s to fail"
             # a lookup in a directory never listed: a HEAD / LIST that does not answer
@@ -111,7 +112,7 @@ def test_a_hung_server_fails_uncached_reads_in_time_and_serves_cached_ones_throu
             assert isinstance(error, OSError), "a close whose upload failed reported success"
             assert seconds < 2 * (TIMEOUT_S + MARGIN_S), f"closing a staged file took {seconds:.1f} s"
         # resumed: the cold object reads exactly, and the staged file is uploaded at the next close
-        assert sha256(read_file(data / "cold.bin")) == sha256(cold)
+        assert sha256(read_file(mount.path / "apart" / "cold.bin")) == sha256(cold)
         assert os.stat(mount.path / "other" / "x.bin").st_size == 1
         with open(data / "new.bin", "r+b") as f:
             os.fsync(f.fileno())
@@ -127,7 +128,8 @@ def test_a_hung_server_fails_sdk_reads_with_a_timeout_naming_the_url(
     bucket = f"hung-sdk-{os.getpid()}-{int(time.time())}"
     raw.mkdir(bucket)
     warm, cold = pattern(1 << 20, seed=4), pattern(1 << 20, seed=5)
-    raw.pipe({f"{bucket}/warm.bin": warm, f"{bucket}/cold.bin": cold})
+    # cold.bin in a directory of its own: reading warm.bin must not fetch it ahead (directory prefetch)
+    raw.pipe({f"{bucket}/warm.bin": warm, f"{bucket}/apart/cold.bin": cold})
     options = {
         "cache_dir": str(tmp_path / "cache"),
         "endpoint_url": own_server.endpoint_url,
@@ -137,14 +139,14 @@ def test_a_hung_server_fails_sdk_reads_with_a_timeout_naming_the_url(
     }
     fs = fsspec.filesystem("pffs", target=f"s3://{bucket}", **options)
     assert sha256(fs.cat_file("warm.bin")) == sha256(warm)
-    cold_size = fs.info("cold.bin")["size"]  # its size known: the read itself must go to the server
+    cold_size = fs.info("apart/cold.bin")["size"]  # its size known: the read itself must go to the server
     with frozen(own_server):
-        seconds, error, _ = timed(lambda: fs.cat_file("cold.bin"))
+        seconds, error, _ = timed(lambda: fs.cat_file("apart/cold.bin"))
         assert isinstance(error, TimeoutError), repr(error)
-        assert f"s3://{bucket}/cold.bin" in str(error) and "backend-timeout" in str(error)
+        assert f"s3://{bucket}/apart/cold.bin" in str(error) and "backend-timeout" in str(error)
         assert seconds < TIMEOUT_S + MARGIN_S, f"an uncached SDK read took {seconds:.1f} s to fail"
         assert sha256(fs.cat_file("warm.bin")) == sha256(warm)  # cached: served
-    data = fs.cat_file("cold.bin")
+    data = fs.cat_file("apart/cold.bin")
     assert len(data) == cold_size and sha256(data) == sha256(cold)
 
 
