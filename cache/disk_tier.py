@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 # After a failed write, try writing again only after this many seconds (the disk may have been freed).
 WRITE_RETRY_AFTER_S = 30.0
 # Blocks waiting for the disk writer, at most (then fetching threads wait for the disk).
-WRITE_BEHIND_BYTES = 256 << 20
+WRITE_BEHIND_BYTES = 64 << 20  # part of the mount's memory overhead (pffs.fuse.mount)
 
 
 class DiskTier:
