@@ -183,3 +183,21 @@ def test_a_socket_that_accepts_and_never_answers_fails_the_sdk_in_time(tmp_path:
         listener.close()
         for conn in held:
             conn.close()
+
+
+def test_unmount_answers_while_the_server_hangs(own_server: SeaweedS3, tmp_path: Path) -> None:
+    raw = s3fs.S3FileSystem(
+        skip_instance_cache=True, use_listings_cache=False, **own_server.storage_options()
+    )
+    bucket = f"hung-umount-{os.getpid()}-{int(time.time())}"
+    raw.mkdir(bucket)
+    data = pattern(1 << 20, seed=6)
+    raw.pipe(f"{bucket}/a.bin", data)
+    extra = ("--backend-timeout", str(TIMEOUT_S), "--endpoint-url", own_server.endpoint_url)
+    with mounted(f"s3://{bucket}", tmp_path, env_for(own_server), *extra) as mount:
+        assert sha256(read_file(mount.path / "a.bin")) == sha256(data)
+        with frozen(own_server):
+            seconds, error, done = timed(mount.umount)
+            assert error is None and done.returncode == 0, done.stderr if done else error
+            assert seconds < TIMEOUT_S + MARGIN_S, f"unmounting took {seconds:.1f} s"
+            assert not os.path.ismount(mount.path)
