@@ -6,7 +6,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-APT_PACKAGES=(fuse3 libfuse3-dev pkg-config gcc python3-dev python3-venv fio s3fs containerd runc busybox-static)
+APT_PACKAGES=(fuse3 libfuse3-dev pkg-config gcc python3-dev python3-venv fio s3fs containerd runc busybox-static
+    openjdk-17-jdk-headless maven)
 missing=()
 for pkg in "${APT_PACKAGES[@]}"; do
     dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
@@ -62,3 +63,5 @@ done
 # control plane: built once from the Go module proxy into the same cache folder (~10 minutes the first time).
 bash scripts/build_kube.sh
 bash scripts/build_csi_provisioner.sh
+# Hadoop's MiniDFSCluster (a real HDFS on loopback) for the HDFS tests and bench.
+bash scripts/build_hdfs.sh

@@ -215,8 +215,10 @@ class Backend:
 
         return self._call("get", read, info.path)
 
-    # Cheap-to-stat backends check the object is unchanged after every read; others only after a short read.
-    verify_after_read = False
+    # Reads by path cannot be pinned to a version: the object is stat'ed after every ranged read, so a file
+    # rewritten meanwhile (HDFS, local files) is ObjectChangedError, never a mix of old and new blocks.
+    # S3 pins each GET to the version read at open instead (If-Match, version id) and needs no stat.
+    verify_after_read = True
 
     def _check_unchanged(self, info: ObjectInfo) -> None:
         self.fs.invalidate_cache(info.path)
@@ -229,7 +231,6 @@ class Backend:
 
 
 class LocalBackend(Backend):
-    verify_after_read = True
     bound_blocking_calls = False  # local files: no network to hang on
 
 
@@ -330,6 +331,7 @@ class S3Backend(Backend):
         return self._call("get", read, info.path)
 
     has_real_directories = False
+    verify_after_read = False  # each GET is pinned (If-Match): see read_range
     max_key_bytes = 1024  # S3's limit on a key's UTF-8 bytes
 
     def key_of(self, path: str) -> str:

@@ -12,6 +12,7 @@ MTIME_FIELDS = (
     "LastModified",
     "last_modified",
     "modificationTime",
+    "modification_time",  # hdfs-native (milliseconds)
     "modified",
     "updated",
     "created",
