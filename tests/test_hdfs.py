@@ -18,9 +18,10 @@ from typing import Any
 import fsspec
 import pytest
 from helpers import pattern, require, sha256
-from mounts import mounted
+from mounts import mounted, pffs
 
 from pffs.testing.hdfs_cluster import MiniDfs, missing_pieces
+from pffs.testing.s3_server import free_ports
 
 pytestmark = [pytest.mark.hdfs, pytest.mark.timeout(300)]
 BLOCK = 1 << 20  # pffs's cache block in these tests
@@ -149,3 +150,66 @@ def test_a_stopped_datanode_leaves_every_byte_readable(hdfs: MiniDfs, raw: Any, 
         assert sha256(fs.cat_file("f.bin")) == sha256(data)
     finally:
         hdfs.start_datanode()
+
+
+def test_a_stopped_namenode_fails_uncached_reads_in_time_and_recovers(
+    hdfs: MiniDfs, raw: Any, tmp_path: Path
+) -> None:
+    warm, cold = pattern(BLOCK, seed=8), pattern(BLOCK, seed=9)
+    put(raw, {"/nn-down/warm.bin": warm, "/nn-down/apart/cold.bin": cold})
+    fs = fsspec.filesystem(
+        "pffs", target=f"{hdfs.url}/nn-down", cache_dir=str(tmp_path / "cache"), block_size=BLOCK,
+        backend_timeout=TIMEOUT_S,
+    )  # fmt: skip
+    assert sha256(fs.cat_file("warm.bin")) == sha256(warm)
+    fs.info("apart/cold.bin")
+    hdfs.stop_namenode()
+    try:
+        started = time.monotonic()
+        with pytest.raises(OSError) as caught:  # refused: retried within the deadline, then given up
+            fs.cat_file("apart/cold.bin")
+        seconds = time.monotonic() - started
+        assert seconds < TIMEOUT_S + MARGIN_S, f"an uncached read took {seconds:.1f} s to fail"
+        assert "cold.bin" in str(caught.value)
+        assert sha256(fs.cat_file("warm.bin")) == sha256(warm)  # cached: served meanwhile
+    finally:
+        hdfs.start_namenode()
+    data = poll_read(fs, "apart/cold.bin")
+    assert sha256(data) == sha256(cold)  # recovered once the NameNode is back
+
+
+def poll_read(fs: Any, path: str, timeout_s: float = 60.0) -> bytes:
+    """The file's bytes once the backend answers again (a restarted NameNode takes a few seconds)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return bytes(fs.cat_file(path))
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+
+
+def test_bad_hdfs_urls_and_an_unreachable_namenode_are_one_clear_line(tmp_path: Path) -> None:
+    nobody = f"hdfs://127.0.0.1:{free_ports(1)[0]}/data"  # no NameNode listens there
+    env = dict(os.environ)
+    cases = [
+        (["cat", f"{nobody}/a.bin", "--backend-timeout", "2"], 1, nobody),
+        (["cat", "hdfs://bad host:x/y"], 2, "not a usable hdfs URL"),
+        (
+            ["mount", nobody, str(tmp_path / "mnt"), "--backend-timeout", "2", "--cache-dir", str(tmp_path)],
+            1,
+            nobody,
+        ),
+    ]
+    (tmp_path / "mnt").mkdir()
+    for args, code, expected in cases:
+        done = pffs(*args, env=env, timeout=60)
+        lines = done.stderr.strip().splitlines()
+        assert done.returncode == code and len(lines) == 1 and expected in lines[0], (args, done.stderr)
+        assert "Traceback" not in done.stderr and "internal error" not in done.stderr
+    assert not os.path.ismount(tmp_path / "mnt")
+    fs = fsspec.filesystem("pffs", target=nobody, cache_dir=str(tmp_path / "c"), backend_timeout=2)
+    with pytest.raises(OSError) as caught:
+        fs.cat_file("a.bin")
+    assert f"{nobody}/a.bin" in str(caught.value)

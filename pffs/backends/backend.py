@@ -21,10 +21,10 @@ import fsspec
 from fsspec.asyn import AsyncFileSystem, sync
 
 from pffs.backends.deadline import timeout_left
-from pffs.backends.errors import ObjectChangedError
+from pffs.backends.errors import BadOptionError, ObjectChangedError
 from pffs.backends.identity import identity_token, mtime_seconds
 from pffs.backends.request_stats import RequestStats
-from pffs.backends.retry import RetryPolicy
+from pffs.backends.retry import RetryPolicy, describe
 from pffs.backends.s3_native import NativeS3Getter, NotHandled, native_getter_for
 
 T = TypeVar("T")
@@ -68,17 +68,26 @@ class Backend:
         self._lock = threading.Lock()
         self.requests = RequestStats()
 
+    authority = ""  # host:port where the URL names one (hdfs://namenode:8020): shown in messages
+
     @property
     def fs(self) -> fsspec.AbstractFileSystem:
         if self._fs is None or self._fs_pid != os.getpid():
             with self._lock:
                 if self._fs is None or self._fs_pid != os.getpid():
-                    self._fs = self._make_fs()
+                    try:
+                        self._fs = self._make_fs()
+                    except (RuntimeError, ValueError, TypeError) as exc:  # the client refused its settings
+                        raise BadOptionError(
+                            f"{self.url('')}: cannot set up the {self.protocol} client: {describe(exc)}"
+                        ) from None
                     self._fs_pid = os.getpid()
         return self._fs
 
     def url(self, path: str) -> str:
-        return f"{self.protocol}://{path}" if self.protocol != "file" else path
+        if self.protocol == "file":
+            return path
+        return f"{self.protocol}://{self.authority}{path}"
 
     def _to_info(self, raw: dict[str, Any]) -> ObjectInfo:
         path = self.fs._strip_protocol(raw["name"])

@@ -22,10 +22,11 @@ _current = threading.local()
 class BackendTimeoutError(TimeoutError):
     """The backend did not answer within the deadline (TimeoutError with errno ETIMEDOUT)."""
 
-    def __init__(self, url: str, seconds: float) -> None:
+    def __init__(self, url: str, seconds: float, last_error: str = "") -> None:
+        last = f" (last error: {last_error})" if last_error else ""
         super().__init__(
             errno.ETIMEDOUT,
-            f"{url}: no answer from the backend within {seconds:g} s (--backend-timeout); "
+            f"{url}: no answer from the backend within {seconds:g} s (--backend-timeout){last}; "
             "is it reachable? cached data is still served",
         )
 

@@ -58,7 +58,7 @@ class RetryPolicy:
                         raise permanent_error(exc, url) from exc
                     left = None if at is None else at - time.monotonic()
                     if left is not None and left <= 0.001:
-                        raise BackendTimeoutError(url, self.timeout_s or 0.0) from exc
+                        raise BackendTimeoutError(url, self.timeout_s or 0.0, describe(exc)) from exc
                     if attempt == self.attempts - 1:
                         raise BackendUnavailableError(
                             f"{url}: backend unavailable after {self.attempts} attempts: {describe(exc)}"

@@ -3,7 +3,8 @@
 s3://bucket/prefix  s3a://...       S3 (or any S3-compatible server, with endpoint_url)
 /data/x  file:///data/x             the local filesystem
 memory://x                          fsspec's in-memory filesystem (tests, demos)
-hdfs://namenode:8020/path           HDFS through pyarrow (needs libhdfs and a JVM)
+hdfs://namenode:8020/path           HDFS through hdfs-native (no JVM); hdfs:///path takes the NameNode
+                                    from fs.defaultFS in $HADOOP_CONF_DIR
 webhdfs://namenode:9870/path        HDFS over HTTP
 gs://, az://, ...                   any other installed fsspec backend, with options in `extra`
 """
@@ -14,12 +15,13 @@ import os
 import re
 from functools import partial
 from typing import Any
+from urllib.parse import urlsplit
 
 import fsspec
 from fsspec.registry import known_implementations
 
 from pffs.backends.backend import Backend, LocalBackend, S3Backend
-from pffs.backends.errors import UnknownSchemeError
+from pffs.backends.errors import BadOptionError, UnknownSchemeError
 from pffs.backends.options import BackendOptions
 from pffs.backends.retry import RetryPolicy
 
@@ -56,11 +58,25 @@ def open_backend(url: str, options: BackendOptions | None = None) -> tuple[Backe
         )
     storage_options: dict[str, Any] = dict(options.extra)
     cls = fsspec.get_filesystem_class(protocol)
-    storage_options = {**cls._get_kwargs_from_urls(url), **storage_options}
+    try:
+        from_url = cls._get_kwargs_from_urls(url)
+    except ValueError as exc:  # "port could not be cast to integer", say
+        raise BadOptionError(
+            f"{url}: not a usable {protocol} URL ({exc}); e.g. {protocol}://HOST:PORT/path"
+        ) from None
+    storage_options = {**from_url, **storage_options}
     path = cls._strip_protocol(url)
     storage_options.setdefault("skip_instance_cache", True)
+    if cls.__module__.startswith("hdfs_native"):
+        # hdfs-native retries a NameNode that refuses connections 15 times with growing pauses (~3 min):
+        # once (a failover to the other NameNode where there are two), then our retry policy decides, within
+        # the backend deadline.
+        storage_options.setdefault("dfs.client.failover.max.attempts", "1")
     backend_cls = LocalBackend if protocol == "memory" else Backend
-    return backend_cls(protocol, partial(fsspec.filesystem, protocol, **storage_options), retry), path
+    backend = backend_cls(protocol, partial(fsspec.filesystem, protocol, **storage_options), retry)
+    if from_url.get("host"):  # the URL names a server (hdfs://namenode:8020/path): messages name it too
+        backend.authority = urlsplit(url).netloc
+    return backend, path
 
 
 def _make_s3fs(options: BackendOptions) -> fsspec.AbstractFileSystem:
