@@ -213,3 +213,41 @@ def test_bad_hdfs_urls_and_an_unreachable_namenode_are_one_clear_line(tmp_path: 
     with pytest.raises(OSError) as caught:
         fs.cat_file("a.bin")
     assert f"{nobody}/a.bin" in str(caught.value)
+
+
+def test_a_write_while_a_datanode_is_down_lands_exactly_or_stays_staged(
+    hdfs: MiniDfs, raw: Any, tmp_path: Path
+) -> None:
+    written = pattern(2 * BLOCK + 3, seed=10)
+    raw.mkdir("/dn-down")
+    with mounted(f"{hdfs.url}/dn-down", tmp_path, dict(os.environ), "--block-size", "1M") as mount:
+        hdfs.stop_datanode(0)
+        try:
+            try:
+                (mount.path / "w.bin").write_bytes(written)
+                landed = True
+            except OSError:  # the upload failed: the file stays staged, uploaded at the next fsync
+                landed = False
+        finally:
+            hdfs.start_datanode()
+        if not landed:
+            with open(mount.path / "w.bin", "r+b") as f:
+                os.fsync(f.fileno())
+        assert sha256(raw.cat_file("/dn-down/w.bin")) == sha256(written)
+
+
+def test_a_directory_of_10000_files_is_listed_whole_in_one_listing(
+    hdfs: MiniDfs, raw: Any, tmp_path: Path
+) -> None:
+    hdfs.make_files("/many/files", 10_000, 0)  # empty files: no blocks to write, so a few seconds
+    names = [f"f{i:05d}" for i in range(10_000)]
+    data = {f"/many/files/{names[i]}": pattern(1000 + i, seed=i) for i in (0, 4321, 9999)}
+    put(raw, data)  # three with bytes, rewritten by a client
+    with mounted(f"{hdfs.url}/many", tmp_path, dict(os.environ)) as mount:
+        assert sorted(os.listdir(mount.path / "files")) == names
+        for path, content in data.items():
+            assert sha256((mount.path / path.removeprefix("/many/")).read_bytes()) == sha256(content)
+        assert (mount.path / "files" / names[5]).read_bytes() == b""
+        requests = mount.stats()["backend_requests"]
+        assert requests["list"]["requests"] <= 3, requests  # the listing, not a request per file
+        assert requests.get("head", {}).get("requests", 0) <= 2, requests

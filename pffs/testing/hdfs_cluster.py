@@ -140,6 +140,11 @@ class MiniDfs:
     def start_datanode(self) -> None:
         self.command("start-datanode")
 
+    def make_files(self, directory: str, count: int, size: int) -> None:
+        """`count` files directory/f00000... of `size` bytes, file i all bytes i % 251, written in-process.
+        Empty files take about a millisecond each; a file with bytes costs a block write (~30 ms)."""
+        self.command(f"make-files {directory} {count} {size}", timeout_s=600)
+
     def stop_namenode(self) -> None:
         self.command("stop-namenode")
 

@@ -4,13 +4,19 @@
 //   stop-datanode I     stops DataNode I (of those running); it can be started again
 //   start-datanode      starts the DataNode stopped last
 //   stop-namenode       stops the NameNode; start-namenode starts it again (same ports, same data)
+//   make-files DIR N S  writes N files DIR/f00000 ... of S bytes each, file i holding the byte i % 251
+//                       (in-process; empty files take ~1 ms each, a file with bytes ~30 ms)
 //   quit                shuts everything down (so does the end of stdin)
 import java.io.BufferedReader;
 import java.io.InputStreamReader;
 import java.util.ArrayDeque;
+import java.util.Arrays;
 import java.util.Deque;
 
 import org.apache.hadoop.conf.Configuration;
+import org.apache.hadoop.fs.FSDataOutputStream;
+import org.apache.hadoop.fs.FileSystem;
+import org.apache.hadoop.fs.Path;
 import org.apache.hadoop.hdfs.HdfsConfiguration;
 import org.apache.hadoop.hdfs.MiniDFSCluster;
 
@@ -50,6 +56,9 @@ public class PffsMiniDfs {
                     cluster.shutdownNameNode(0);
                 } else if (words[0].equals("start-namenode")) {
                     cluster.restartNameNode(true);
+                } else if (words[0].equals("make-files")) {
+                    makeFiles(cluster.getFileSystem(), words[1], Integer.parseInt(words[2]),
+                            Integer.parseInt(words[3]));
                 } else {
                     throw new IllegalArgumentException("unknown command " + words[0]);
                 }
@@ -60,5 +69,15 @@ public class PffsMiniDfs {
             System.out.flush();
         }
         cluster.shutdown(true);
+    }
+
+    private static void makeFiles(FileSystem fs, String dir, int count, int size) throws Exception {
+        byte[] data = new byte[size];
+        for (int i = 0; i < count; i++) {
+            Arrays.fill(data, (byte) (i % 251));
+            try (FSDataOutputStream out = fs.create(new Path(String.format("%s/f%05d", dir, i)))) {
+                out.write(data);
+            }
+        }
     }
 }
