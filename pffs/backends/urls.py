@@ -46,8 +46,8 @@ def open_backend(url: str, options: BackendOptions | None = None) -> tuple[Backe
     retry = RetryPolicy(timeout_s=options.backend_timeout)
     if protocol == "s3":
         native = options.native_s3_gets and not options.extra
-        backend = S3Backend("s3", partial(_make_s3fs, options), retry, native_gets=native)
-        return backend, rest.strip("/")
+        s3 = S3Backend("s3", partial(_make_s3fs, options), retry, native_gets=native)
+        return s3, rest.strip("/")
     if protocol == "file":
         path = rest if rest.startswith("/") else "/" + rest
         return LocalBackend("file", partial(fsspec.filesystem, "file"), retry), os.path.normpath(path)
