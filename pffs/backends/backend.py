@@ -13,6 +13,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -67,6 +68,7 @@ class Backend:
         self._fs_pid = 0
         self._lock = threading.Lock()
         self.requests = RequestStats()
+        _LIVE_BACKENDS.add(self)
 
     authority = ""  # host:port where the URL names one (hdfs://namenode:8020): shown in messages
 
@@ -241,6 +243,21 @@ class Backend:
 
 class LocalBackend(Backend):
     bound_blocking_calls = False  # local files: no network to hang on
+
+
+# Clients must not be freed in a forked child (a DataLoader worker): hdfs-native's client, dropped there,
+# waits forever for its runtime's threads, which fork did not copy, and fsspec drops its cached file systems
+# in every child. So each fork keeps a reference to every client the parent had, in the child for good (a
+# child makes its own on first use: see Backend.fs), in the parent until the fork is done.
+_LIVE_BACKENDS: weakref.WeakSet[Backend] = weakref.WeakSet()
+_KEPT_ACROSS_FORK: list[Any] = []
+
+
+def _keep_clients_before_fork() -> None:
+    _KEPT_ACROSS_FORK.extend(b._fs for b in list(_LIVE_BACKENDS) if b._fs is not None)
+
+
+os.register_at_fork(before=_keep_clients_before_fork, after_in_parent=_KEPT_ACROSS_FORK.clear)
 
 
 BLOCKING_CALL_LIMIT_S = 3600.0  # a call's timeout where no deadline is set (the deadline is always nearer)

@@ -23,12 +23,17 @@ class BackendTimeoutError(TimeoutError):
     """The backend did not answer within the deadline (TimeoutError with errno ETIMEDOUT)."""
 
     def __init__(self, url: str, seconds: float, last_error: str = "") -> None:
+        self.url, self.seconds, self.last_error = url, seconds, last_error
         last = f" (last error: {last_error})" if last_error else ""
         super().__init__(
             errno.ETIMEDOUT,
             f"{url}: no answer from the backend within {seconds:g} s (--backend-timeout){last}; "
             "is it reachable? cached data is still served",
         )
+
+    def __reduce__(self) -> tuple[type, tuple[str, float, str]]:
+        # As an OSError it would be rebuilt from (errno, message): a worker process sends it this way.
+        return (type(self), (self.url, self.seconds, self.last_error))
 
 
 @contextlib.contextmanager

@@ -117,7 +117,9 @@ def describe(exc: BaseException) -> str:
 
 def permanent_error(exc: BaseException, url: str) -> BaseException:
     """The same kind of error, with a message that names the URL and what to do."""
-    if isinstance(exc, ObjectChangedError) or not isinstance(exc, OSError | ValueError):
+    if isinstance(exc, ObjectChangedError | BackendTimeoutError | BackendUnavailableError):
+        return exc  # ours: they name the URL already (and take other arguments than OSError's)
+    if not isinstance(exc, OSError | ValueError):
         return exc
     if isinstance(exc, FileNotFoundError):
         if "bucket" in str(exc).lower():
