@@ -247,7 +247,7 @@ class BlockStore(diskcache.Cache):
                 with contextlib.suppress(OSError):
                     os.unlink(temporary)
             with contextlib.suppress(Exception):
-                self._release([key for key in reserved])
+                self._release(list(reserved))
             raise
         return evicted
 

@@ -119,25 +119,40 @@ def test_mount_reads_writes_renames_and_removes_exactly(hdfs: MiniDfs, raw: Any,
         assert caught.value.errno == errno.ENAMETOOLONG
 
 
-def test_a_frozen_hdfs_fails_uncached_reads_in_time_and_serves_cached_ones(
-    hdfs: MiniDfs, raw: Any, tmp_path: Path
-) -> None:
-    warm, cold = pattern(BLOCK, seed=5), pattern(BLOCK, seed=6)
-    put(raw, {"/frozen/warm.bin": warm, "/frozen/apart/cold.bin": cold})
+def warm_and_cold(
+    hdfs: MiniDfs, raw: Any, tmp_path: Path, folder: str, seed: int
+) -> tuple[Any, bytes, bytes]:
+    """An SDK file system on `folder` with warm.bin read (cached) and apart/cold.bin only stat'ed (its size
+    known: a read must reach the DataNodes), with the deadline of these tests."""
+    warm, cold = pattern(BLOCK, seed=seed), pattern(BLOCK, seed=seed + 1)
+    put(raw, {f"{folder}/warm.bin": warm, f"{folder}/apart/cold.bin": cold})
     fs = fsspec.filesystem(
-        "pffs", target=f"{hdfs.url}/frozen", cache_dir=str(tmp_path / "cache"), block_size=BLOCK,
+        "pffs", target=f"{hdfs.url}{folder}", cache_dir=str(tmp_path / "cache"), block_size=BLOCK,
         backend_timeout=TIMEOUT_S,
     )  # fmt: skip
     assert sha256(fs.cat_file("warm.bin")) == sha256(warm)
-    fs.info("apart/cold.bin")  # its size known: the read itself must reach the DataNodes
+    fs.info("apart/cold.bin")
+    return fs, warm, cold
+
+
+def assert_uncached_fails_in_time_and_cached_is_served(
+    fs: Any, warm: bytes, error: type[BaseException]
+) -> None:
+    started = time.monotonic()
+    with pytest.raises(error) as caught:
+        fs.cat_file("apart/cold.bin")
+    seconds = time.monotonic() - started
+    assert seconds < TIMEOUT_S + MARGIN_S, f"an uncached read took {seconds:.1f} s to fail"
+    assert "cold.bin" in str(caught.value)
+    assert sha256(fs.cat_file("warm.bin")) == sha256(warm)  # cached: served meanwhile
+
+
+def test_a_frozen_hdfs_fails_uncached_reads_in_time_and_serves_cached_ones(
+    hdfs: MiniDfs, raw: Any, tmp_path: Path
+) -> None:
+    fs, warm, cold = warm_and_cold(hdfs, raw, tmp_path, "/frozen", seed=5)
     with hdfs.freeze():
-        started = time.monotonic()
-        with pytest.raises(TimeoutError) as caught:
-            fs.cat_file("apart/cold.bin")
-        seconds = time.monotonic() - started
-        assert seconds < TIMEOUT_S + MARGIN_S, f"an uncached read took {seconds:.1f} s to fail"
-        assert "cold.bin" in str(caught.value)
-        assert sha256(fs.cat_file("warm.bin")) == sha256(warm)  # cached: served meanwhile
+        assert_uncached_fails_in_time_and_cached_is_served(fs, warm, TimeoutError)
     assert sha256(fs.cat_file("apart/cold.bin")) == sha256(cold)  # recovered
 
 
@@ -157,23 +172,10 @@ def test_a_stopped_datanode_leaves_every_byte_readable(hdfs: MiniDfs, raw: Any, 
 def test_a_stopped_namenode_fails_uncached_reads_in_time_and_recovers(
     hdfs: MiniDfs, raw: Any, tmp_path: Path
 ) -> None:
-    warm, cold = pattern(BLOCK, seed=8), pattern(BLOCK, seed=9)
-    put(raw, {"/nn-down/warm.bin": warm, "/nn-down/apart/cold.bin": cold})
-    fs = fsspec.filesystem(
-        "pffs", target=f"{hdfs.url}/nn-down", cache_dir=str(tmp_path / "cache"), block_size=BLOCK,
-        backend_timeout=TIMEOUT_S,
-    )  # fmt: skip
-    assert sha256(fs.cat_file("warm.bin")) == sha256(warm)
-    fs.info("apart/cold.bin")
+    fs, warm, cold = warm_and_cold(hdfs, raw, tmp_path, "/nn-down", seed=8)
     hdfs.stop_namenode()
-    try:
-        started = time.monotonic()
-        with pytest.raises(OSError) as caught:  # refused: retried within the deadline, then given up
-            fs.cat_file("apart/cold.bin")
-        seconds = time.monotonic() - started
-        assert seconds < TIMEOUT_S + MARGIN_S, f"an uncached read took {seconds:.1f} s to fail"
-        assert "cold.bin" in str(caught.value)
-        assert sha256(fs.cat_file("warm.bin")) == sha256(warm)  # cached: served meanwhile
+    try:  # refused: retried within the deadline, then given up
+        assert_uncached_fails_in_time_and_cached_is_served(fs, warm, OSError)
     finally:
         hdfs.start_namenode()
     data = poll_read(fs, "apart/cold.bin")

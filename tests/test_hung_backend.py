@@ -9,10 +9,10 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import signal
 import socket
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -43,15 +43,15 @@ def own_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedS3]:
         yield server
 
 
-@contextlib.contextmanager
-def frozen(server: SeaweedS3) -> Iterator[None]:
-    """The server stopped (SIGSTOP) inside the block, and always resumed after it."""
-    assert server.process is not None
-    os.kill(server.process.pid, signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        os.kill(server.process.pid, signal.SIGCONT)
+@pytest.fixture
+def own_bucket(own_server: SeaweedS3) -> tuple[s3fs.S3FileSystem, str]:
+    """Plain s3fs on this module's server (for putting data in place and checking it) and a new bucket."""
+    raw = s3fs.S3FileSystem(
+        skip_instance_cache=True, use_listings_cache=False, **own_server.storage_options()
+    )
+    bucket = f"hung-{uuid.uuid4().hex[:12]}"
+    raw.mkdir(bucket)
+    return raw, bucket
 
 
 def timed(fn: Any) -> tuple[float, BaseException | None, Any]:
@@ -69,13 +69,9 @@ def read_file(path: Path) -> bytes:
 
 
 def test_a_hung_server_fails_uncached_reads_in_time_and_serves_cached_ones_through_the_mount(
-    own_server: SeaweedS3, tmp_path: Path
+    own_server: SeaweedS3, own_bucket: tuple[s3fs.S3FileSystem, str], tmp_path: Path
 ) -> None:
-    raw = s3fs.S3FileSystem(
-        skip_instance_cache=True, use_listings_cache=False, **own_server.storage_options()
-    )
-    bucket = f"hung-{os.getpid()}-{int(time.time())}"
-    raw.mkdir(bucket)
+    raw, bucket = own_bucket
     warm, cold = pattern(3 << 20, seed=1), pattern(2 << 20, seed=2)
     # cold.bin in a directory of its own: reading warm.bin must not fetch it ahead (directory prefetch)
     raw.pipe(
@@ -87,7 +83,7 @@ def test_a_hung_server_fails_uncached_reads_in_time_and_serves_cached_ones_throu
         data = mount.path / "data"
         assert sha256(read_file(data / "warm.bin")) == sha256(warm)  # cached now
         listed = sorted(os.listdir(data))
-        with frozen(own_server):
+        with own_server.freeze():
             # an object never read: its blocks must come from the server, which does not answer
             seconds, error, _ = timed(lambda: read_file(mount.path / "apart" / "cold.bin"))
             assert isinstance(error, OSError) and error.errno in (errno.ETIMEDOUT, errno.EIO), error
@@ -120,13 +116,9 @@ def test_a_hung_server_fails_uncached_reads_in_time_and_serves_cached_ones_throu
 
 
 def test_a_hung_server_fails_sdk_reads_with_a_timeout_naming_the_url(
-    own_server: SeaweedS3, tmp_path: Path
+    own_server: SeaweedS3, own_bucket: tuple[s3fs.S3FileSystem, str], tmp_path: Path
 ) -> None:
-    raw = s3fs.S3FileSystem(
-        skip_instance_cache=True, use_listings_cache=False, **own_server.storage_options()
-    )
-    bucket = f"hung-sdk-{os.getpid()}-{int(time.time())}"
-    raw.mkdir(bucket)
+    raw, bucket = own_bucket
     warm, cold = pattern(1 << 20, seed=4), pattern(1 << 20, seed=5)
     # cold.bin in a directory of its own: reading warm.bin must not fetch it ahead (directory prefetch)
     raw.pipe({f"{bucket}/warm.bin": warm, f"{bucket}/apart/cold.bin": cold})
@@ -140,7 +132,7 @@ def test_a_hung_server_fails_sdk_reads_with_a_timeout_naming_the_url(
     fs = fsspec.filesystem("pffs", target=f"s3://{bucket}", **options)
     assert sha256(fs.cat_file("warm.bin")) == sha256(warm)
     cold_size = fs.info("apart/cold.bin")["size"]  # its size known: the read itself must go to the server
-    with frozen(own_server):
+    with own_server.freeze():
         seconds, error, _ = timed(lambda: fs.cat_file("apart/cold.bin"))
         assert isinstance(error, TimeoutError), repr(error)
         assert f"s3://{bucket}/apart/cold.bin" in str(error) and "backend-timeout" in str(error)
@@ -185,18 +177,16 @@ def test_a_socket_that_accepts_and_never_answers_fails_the_sdk_in_time(tmp_path:
             conn.close()
 
 
-def test_unmount_answers_while_the_server_hangs(own_server: SeaweedS3, tmp_path: Path) -> None:
-    raw = s3fs.S3FileSystem(
-        skip_instance_cache=True, use_listings_cache=False, **own_server.storage_options()
-    )
-    bucket = f"hung-umount-{os.getpid()}-{int(time.time())}"
-    raw.mkdir(bucket)
+def test_unmount_answers_while_the_server_hangs(
+    own_server: SeaweedS3, own_bucket: tuple[s3fs.S3FileSystem, str], tmp_path: Path
+) -> None:
+    raw, bucket = own_bucket
     data = pattern(1 << 20, seed=6)
     raw.pipe(f"{bucket}/a.bin", data)
     extra = ("--backend-timeout", str(TIMEOUT_S), "--endpoint-url", own_server.endpoint_url)
     with mounted(f"s3://{bucket}", tmp_path, env_for(own_server), *extra) as mount:
         assert sha256(read_file(mount.path / "a.bin")) == sha256(data)
-        with frozen(own_server):
+        with own_server.freeze():
             seconds, error, done = timed(mount.umount)
             assert error is None and done.returncode == 0, done.stderr if done else error
             assert seconds < TIMEOUT_S + MARGIN_S, f"unmounting took {seconds:.1f} s"

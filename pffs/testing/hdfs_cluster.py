@@ -23,10 +23,10 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
 
+from pffs.testing.faults import frozen
 from pffs.testing.s3_server import free_ports
 
 HADOOP_VERSION = "3.4.2"
@@ -151,15 +151,10 @@ class MiniDfs:
     def start_namenode(self) -> None:
         self.command("start-namenode")
 
-    @contextlib.contextmanager
-    def freeze(self) -> Iterator[None]:
+    def freeze(self) -> contextlib.AbstractContextManager[None]:
         """Every HDFS process stopped (SIGSTOP) inside the block, resumed after it, even on failure."""
         assert self.process is not None
-        os.kill(self.process.pid, signal.SIGSTOP)
-        try:
-            yield
-        finally:
-            os.kill(self.process.pid, signal.SIGCONT)
+        return frozen(self.process.pid)
 
     def log_tail(self, size: int = 4000) -> str:
         try:

@@ -21,6 +21,8 @@ import urllib.request
 from pathlib import Path
 from types import TracebackType
 
+from pffs.testing.faults import frozen
+
 # weed mini opens this many listeners; each gets its own free port.
 PORT_FLAGS = (
     "master.port",
@@ -185,6 +187,12 @@ class SeaweedS3:
             for dc in topology.get("DataCenters") or []
             for rack in dc.get("Racks") or []
         )
+
+    def freeze(self) -> contextlib.AbstractContextManager[None]:
+        """The server stopped (SIGSTOP) inside the block, resumed after it even on failure: it accepts
+        connections and never answers."""
+        assert self.process is not None
+        return frozen(self.process.pid)
 
     def stop(self) -> None:
         process, self.process = self.process, None
