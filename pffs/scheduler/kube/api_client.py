@@ -190,8 +190,9 @@ class KubeApi(RestCalls):
         self._token = token
         self._token_file = token_file  # re-read: projected service account tokens rotate
         self.timeout = timeout
-        # A few kept-alive connections: binds and status patches would otherwise each pay a TLS handshake.
-        self._pool = urllib3.PoolManager(num_pools=2, maxsize=4, ssl_context=context, retries=False)
+        # Kept-alive connections, one per parallel Binding (loop.BIND_PARALLELISM): binds and status patches
+        # would otherwise each pay a TLS handshake.
+        self._pool = urllib3.PoolManager(num_pools=2, maxsize=16, ssl_context=context, retries=False)
 
     def __repr__(self) -> str:  # never the token
         return f"KubeApi({self.server!r})"
