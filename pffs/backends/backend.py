@@ -116,7 +116,8 @@ class Backend:
     bound_blocking_calls = True
 
     def _attempt(self, fn: Callable[[], T]) -> Callable[[], T]:
-        if not self.bound_blocking_calls or isinstance(self.fs, AsyncFileSystem):
+        fs = self.fs
+        if not self.bound_blocking_calls or isinstance(fs, AsyncFileSystem) or _bounds_its_own_calls(fs):
             return fn
 
         def bounded() -> T:
@@ -241,6 +242,10 @@ class Backend:
         self.fs.invalidate_cache(path)
 
 
+def _bounds_its_own_calls(fs: Any) -> bool:
+    return bool(getattr(fs, "bounds_its_own_calls", False))
+
+
 class LocalBackend(Backend):
     bound_blocking_calls = False  # local files: no network to hang on
 
@@ -248,7 +253,8 @@ class LocalBackend(Backend):
 # Clients must not be freed in a forked child (a DataLoader worker): hdfs-native's client, dropped there,
 # waits forever for its runtime's threads, which fork did not copy, and fsspec drops its cached file systems
 # in every child. So each fork keeps a reference to every client the parent had, in the child for good (a
-# child makes its own on first use: see Backend.fs), in the parent until the fork is done.
+# child makes its own on first use: see Backend.fs, and helper_process.py for the HDFS client's), in the
+# parent until the fork is done.
 _LIVE_BACKENDS: weakref.WeakSet[Backend] = weakref.WeakSet()
 _KEPT_ACROSS_FORK: list[Any] = []
 

@@ -22,6 +22,7 @@ from fsspec.registry import known_implementations
 
 from pffs.backends.backend import Backend, LocalBackend, S3Backend
 from pffs.backends.errors import BadOptionError, UnknownSchemeError
+from pffs.backends.helper_process import fork_safe_client
 from pffs.backends.options import BackendOptions
 from pffs.backends.retry import RetryPolicy
 
@@ -72,8 +73,11 @@ def open_backend(url: str, options: BackendOptions | None = None) -> tuple[Backe
         # once (a failover to the other NameNode where there are two), then our retry policy decides, within
         # the backend deadline.
         storage_options.setdefault("dfs.client.failover.max.attempts", "1")
+    make_fs = partial(fsspec.filesystem, protocol, **storage_options)
+    if cls.__module__.startswith("hdfs_native"):  # does not survive fork: see helper_process.py
+        make_fs = partial(fork_safe_client, protocol, storage_options)
     backend_cls = LocalBackend if protocol == "memory" else Backend
-    backend = backend_cls(protocol, partial(fsspec.filesystem, protocol, **storage_options), retry)
+    backend = backend_cls(protocol, make_fs, retry)
     if from_url.get("host"):  # the URL names a server (hdfs://namenode:8020/path): messages name it too
         backend.authority = urlsplit(url).netloc
     return backend, path

@@ -241,7 +241,8 @@ class Scheduler:
 
     def _bind_all(self, placements: list[Placement], report: CycleReport) -> None:
         """Posts the Bindings in parallel; what they did is recorded here, on the loop's own thread."""
-        for placement, error in zip(placements, self._binder.map(self._post_binding, placements)):
+        errors = list(self._binder.map(self._post_binding, placements))
+        for placement, error in zip(placements, errors, strict=True):
             if error is not None:
                 report.errors.append(str(error))
                 log.warning(
