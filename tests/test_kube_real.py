@@ -478,24 +478,7 @@ def test_pffs_scheduler_binds_gangs_whole_prefers_one_tor_and_warm_nodes_and_say
                 return f"{condition.reason}: {condition.message}"
         return None
 
-    with open(tmp_path / "pffs-scheduler.log", "ab") as log:
-        scheduler = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "pffs.cli.main",
-                "scheduler",
-                "--kubeconfig",
-                str(cluster.kubeconfig),
-                "--queues",
-                str(queues),
-                "--interval",
-                "1",
-                "-v",
-            ],
-            stderr=log,
-        )
-    try:
+    with pffs_scheduler(cluster, queues, tmp_path / "pffs-scheduler.log"):
         # Locality: one GPU for a pod that reads the dataset goes to the node that holds it.
         core.create_namespaced_pod(
             "default", gang_pod("warm-reader", "warm", 1, 1, annotations={"pffs.io/datasets": dataset})
@@ -520,9 +503,100 @@ def test_pffs_scheduler_binds_gangs_whole_prefers_one_tor_and_warm_nodes_and_say
         )
         reason = poll("greedy marked unschedulable", lambda: waiting_reason("greedy"))
         assert node_of("greedy") is None and "gpu" in reason.lower(), reason
+
+
+def gang_pod(name: str, group: str, size: int, gpus: int, **extra: Any) -> dict[str, Any]:
+    """A pod for `pffs scheduler` in gang `group` of `size`; `labels`, `annotations` and `spec` add to it."""
+    labels = {"scheduling.x-k8s.io/pod-group": group} | extra.get("labels", {})
+    annotations = {"pffs.io/min-member": str(size)} | extra.get("annotations", {})
+    return {
+        "metadata": {"name": name, "labels": labels, "annotations": annotations},
+        "spec": {
+            "schedulerName": "pffs-scheduler",
+            "containers": [
+                {
+                    "name": "c",
+                    "image": "busybox:1.36",
+                    "resources": {"limits": {"nvidia.com/gpu": str(gpus)}, "requests": {"cpu": "1"}},
+                }
+            ],
+        }
+        | extra.get("spec", {}),
+    }
+
+
+@contextlib.contextmanager
+def pffs_scheduler(cluster: KubeControlPlane, queues: Path, log_path: Path) -> Iterator[None]:
+    """`pffs scheduler` against the cluster, cycling every second, stopped after (also on failure)."""
+    with open(log_path, "ab") as log:
+        scheduler = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "pffs.cli.main",
+                "scheduler",
+                "--kubeconfig",
+                str(cluster.kubeconfig),
+                "--queues",
+                str(queues),
+                "--interval",
+                "1",
+                "-v",
+            ],
+            stderr=log,
+        )
+    try:
+        yield
     finally:
         scheduler.terminate()
         scheduler.wait(timeout=15)
+
+
+def test_pffs_scheduler_preempts_a_lower_priority_gang_whole_through_the_eviction_api(
+    cluster: KubeControlPlane, tmp_path: Path
+) -> None:
+    """Two 4-GPU nodes full with a low-priority gang; a high-priority gang of the same queue needs both.
+    Every pod of the low gang is evicted through the Eviction API (the API server marks it for graceful
+    deletion), the high gang waits, bound in no part, until they are gone (here no kubelet runs on these
+    Nodes, so the test deletes the terminating pods as a kubelet would), then binds whole."""
+    from kubernetes import client
+
+    model = "PREEMPT-TEST-GPU"  # a GPU model of these nodes only: the other tests' nodes stay out of it
+    for name in ("preempt-1", "preempt-2"):
+        make_node(cluster.api(), name, cpu="16", gpus=4, labels={"nvidia.com/gpu.product": model})
+    scheduling = client.SchedulingV1Api(cluster.api())
+    for name, value in (("pffs-test-low", 10), ("pffs-test-high", 1000)):
+        scheduling.create_priority_class({"metadata": {"name": name}, "value": value})
+    queues = tmp_path / "queues.yaml"
+    queues.write_text(yaml.safe_dump({"queues": [{"name": "default", "weight": 1}]}))
+    core = client.CoreV1Api(cluster.api())
+
+    def pod(name: str, group: str, priority: str) -> dict[str, Any]:
+        spec = {"priorityClassName": priority, "nodeSelector": {"nvidia.com/gpu.product": model}}
+        return gang_pod(name, group, 2, 4, spec=spec)
+
+    def read(name: str) -> Any:
+        try:
+            return core.read_namespaced_pod(name, "default")
+        except client.ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    with pffs_scheduler(cluster, queues, tmp_path / "pffs-scheduler.log"):
+        for i in range(2):
+            core.create_namespaced_pod("default", pod(f"low-{i}", "low", "pffs-test-low"))
+        nodes = {poll(f"low-{i} bound", lambda i=i: read(f"low-{i}").spec.node_name) for i in range(2)}
+        assert nodes == {"preempt-1", "preempt-2"}
+        for i in range(2):
+            core.create_namespaced_pod("default", pod(f"high-{i}", "high", "pffs-test-high"))
+        for i in range(2):
+            poll(f"low-{i} evicted", lambda i=i: read(f"low-{i}").metadata.deletion_timestamp)
+        assert all(read(f"high-{i}").spec.node_name is None for i in range(2)), "bound before room was free"
+        for i in range(2):  # what the kubelet does once the containers have stopped
+            core.delete_namespaced_pod(f"low-{i}", "default", grace_period_seconds=0)
+        placed = {poll(f"high-{i} bound", lambda i=i: read(f"high-{i}").spec.node_name) for i in range(2)}
+        assert placed == {"preempt-1", "preempt-2"}
 
 
 # The scheduler's and extender's view: listed once, then watched (no list per cycle)
