@@ -14,7 +14,7 @@ from pathlib import Path
 
 from .disk_tier import DiskTier
 from .file_lock import StripedFileLocks
-from .fork import after_fork_in_child
+from .fork import after_fork_in_child, in_worker_process
 from .memory_tier import MemoryTier
 from .single_flight import SingleFlight
 from .stats import CacheStats, read_totals, reset_totals
@@ -164,8 +164,10 @@ class BlockCache:
                 release_lock()
             return data
         written = self.disk.put_later(key, data, then=release_lock)
-        if wait_for_disk and written is not None:
-            written.result()  # warm-up: on disk before the caller goes on
+        # On disk before the caller goes on: for warm-up, and in a worker process, which may end through
+        # os._exit or SIGTERM at any time after (no exit hook would write what is still queued).
+        if written is not None and (wait_for_disk or in_worker_process()):
+            written.result()
         return data
 
     def wait_for_disk(self) -> None:
@@ -196,13 +198,11 @@ class BlockCache:
         }
 
     def machine_totals(self) -> dict[str, int]:
-        """Counters of every process that used this cache directory (after flushing ours)."""
-        self.stats.flush()
+        """Counters of every process that used this cache directory, this one included."""
         if self.directory is None:
             return self.stats.snapshot()
         return read_totals(self.directory / STATS_FILE)
 
     def close(self) -> None:
-        self.stats.flush()
         if self.disk is not None:
             self.disk.close()

@@ -4,6 +4,7 @@ locks held by threads that no longer exist there, nor work queued for them."""
 from __future__ import annotations
 
 import atexit
+import multiprocessing
 import os
 import threading
 import weakref
@@ -34,6 +35,15 @@ def hold_across_fork(
     os.register_at_fork(
         before=_weak_call(acquire), after_in_parent=_weak_call(release), after_in_child=_weak_call(in_child)
     )
+
+
+_first_pid = os.getpid()  # the process that imported this module; a fork child has another pid
+
+
+def in_worker_process() -> bool:
+    """True in a forked child or a multiprocessing child (a DataLoader worker, fork or spawn): such a
+    process may leave through os._exit or SIGTERM, where no exit hook runs."""
+    return os.getpid() != _first_pid or multiprocessing.parent_process() is not None
 
 
 def at_exit(method: Callable[[], object]) -> None:

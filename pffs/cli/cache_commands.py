@@ -140,7 +140,6 @@ def gc(args: argparse.Namespace) -> int:
         print(f"no usable disk cache at {settings.cache_dir}")
         return 1
     result = cache.disk.gc(verify=args.verify)
-    cache.stats.flush()
     if args.json:
         print(json.dumps({**result, "disk_bytes": cache.disk.used_bytes()}))
     else:

@@ -114,7 +114,6 @@ def warmup(args: argparse.Namespace) -> int:
     for t in threads:
         t.join()
     bar.close()
-    vfs.cache.stats.flush()
     elapsed = time.monotonic() - started
     summary = {
         "url": args.url,
