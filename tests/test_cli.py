@@ -149,6 +149,9 @@ def test_unreachable_endpoint_fails_fast_with_a_clear_line(tmp_path: Path) -> No
         (["--block-size", "1K", "stats"], "block-size"),
         (["warmup", "/tmp", "--workers", "many"], "invalid int value"),
         (["frobnicate"], "invalid choice"),
+        (["warmup", "/tmp", "--workers", "-3"], "--workers must be at least 1, not -3"),
+        (["--endpoint-url", "127.0.0.1:8334", "cat", "s3://bkt/k"], "e.g. http://127.0.0.1:8334"),
+        (["cat", "gs://bkt/k"], "gs:// needs a package that is not installed"),
     ],
 )
 def test_bad_command_lines_exit_2_with_one_clear_message(
@@ -157,7 +160,21 @@ def test_bad_command_lines_exit_2_with_one_clear_message(
     result = run(*args, "--cache-dir", str(tmp_path)) if args[0] != "frobnicate" else run(*args)
     assert result.returncode == 2
     assert message in result.stderr.decode()
-    assert "Traceback" not in result.stderr.decode()
+    assert "Traceback" not in result.stderr.decode() and "internal error" not in result.stderr.decode()
+
+
+def test_no_credentials_at_all_is_one_line_saying_where_they_come_from(
+    raw_s3: Any, bucket: str, s3_server: SeaweedS3, tmp_path: Path
+) -> None:
+    raw_s3.pipe(f"{bucket}/k", b"data")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")} | {"HOME": str(tmp_path)}
+    result = run(
+        "cat", f"s3://{bucket}/k", "--endpoint-url", s3_server.endpoint_url, "--cache-dir", str(tmp_path),
+        env=env,
+    )  # fmt: skip
+    err = result.stderr.decode()
+    assert result.returncode == 1 and err.count("\n") == 1, err
+    assert err.startswith("pffs: error: ") and "no usable S3 credentials" in err and "AWS_PROFILE" in err
 
 
 def test_missing_local_file(tmp_path: Path) -> None:

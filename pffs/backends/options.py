@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from typing import Any
+from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
 
 class BackendOptions(BaseModel):
@@ -32,3 +33,15 @@ class BackendOptions(BaseModel):
     native_s3_gets: bool = True
     # Passed through untouched to fsspec for non-S3 backends (hdfs host/port, webhdfs user, ...).
     extra: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("endpoint_url")
+    @classmethod
+    def _an_http_url(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        parts = urlsplit(value)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(
+                f"{value!r} is not an http:// or https:// URL, e.g. http://{value.split('://')[-1]}"
+            )
+        return value

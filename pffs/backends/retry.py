@@ -115,8 +115,18 @@ def describe(exc: BaseException) -> str:
     return text.splitlines()[0][:300]
 
 
+# botocore's, when it finds no credentials where it looks: a setup mistake, said as access denied.
+CREDENTIAL_ERRORS = {"NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError"}
+
+
 def permanent_error(exc: BaseException, url: str) -> BaseException:
     """The same kind of error, with a message that names the URL and what to do."""
+    if type(exc).__name__ in CREDENTIAL_ERRORS:
+        return PermissionError(
+            errno.EACCES,
+            f"{url}: no usable S3 credentials ({describe(exc)}): set AWS_ACCESS_KEY_ID and "
+            "AWS_SECRET_ACCESS_KEY, AWS_PROFILE or a credentials file; --anonymous for a public bucket",
+        )
     if isinstance(exc, ObjectChangedError | BackendTimeoutError | BackendUnavailableError):
         return exc  # ours: they name the URL already (and take other arguments than OSError's)
     if not isinstance(exc, OSError | ValueError):

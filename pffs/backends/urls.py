@@ -58,7 +58,12 @@ def open_backend(url: str, options: BackendOptions | None = None) -> tuple[Backe
             "hdfs://, webhdfs:// or another installed fsspec protocol"
         )
     storage_options: dict[str, Any] = dict(options.extra)
-    cls = fsspec.get_filesystem_class(protocol)
+    try:
+        cls = fsspec.get_filesystem_class(protocol)
+    except ImportError as exc:  # "Please install gcsfs to access Google Storage"
+        raise UnknownSchemeError(
+            f"{url}: {protocol}:// needs a package that is not installed ({exc})"
+        ) from None
     try:
         from_url = cls._get_kwargs_from_urls(url)
     except ValueError as exc:  # "port could not be cast to integer", say

@@ -52,6 +52,6 @@ def describe_failure(exc: Exception) -> tuple[str, int]:
         if exc.errno == errno.ENOSPC:
             detail += " (the disk is full)"
         return f"error: {detail}", EXIT_FAILURE
-    # A bug: say so once, with the traceback only under -v.
+    # A bug: say so once, with the traceback only under -vv (debug logging).
     log.debug("unexpected error", exc_info=exc)
-    return f"internal error: {type(exc).__name__}: {exc} (run with -v for the traceback)", EXIT_FAILURE
+    return f"internal error: {type(exc).__name__}: {exc} (run with -vv for the traceback)", EXIT_FAILURE

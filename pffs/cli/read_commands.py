@@ -15,6 +15,7 @@ from tqdm import tqdm
 
 from pffs.backends.backend import ObjectInfo
 from pffs.cli.context import open_vfs
+from pffs.cli.errors import UsageError
 from pffs.config import format_size
 
 
@@ -71,7 +72,7 @@ class WarmupProgress:
 
 def warmup(args: argparse.Namespace) -> int:
     if args.workers < 1:
-        raise argparse.ArgumentTypeError("--workers must be at least 1")
+        raise UsageError(f"--workers must be at least 1, not {args.workers}")
     # Warm-up fills the disk; keeping every block in this short-lived process's memory would only churn.
     vfs, path = open_vfs(args.url, args, memory_cache_size=0)
     started = time.monotonic()
