@@ -75,6 +75,21 @@ def test_chained_url_and_pffs_open(raw_s3: Any, bucket: str, s3_server: SeaweedS
         secret=s3_server.secret_key,
     ) as f:
         assert sha256(f.read()) == sha256(data)
+    # fsspec.open's style of options, per layer, works for pffs.open too
+    with pffs.open(
+        f"s3://{bucket}/k.bin", s3=s3_server.storage_options(), pffs={"cache_dir": str(cache_dir)}
+    ) as f:
+        assert sha256(f.read()) == sha256(data)
+
+
+def test_a_mistyped_option_is_refused_at_once_by_name(s3_server: SeaweedS3, cache_dir: Path) -> None:
+    """Not built and then failed inside aiobotocore at the first read."""
+    with pytest.raises(ValueError, match=r"unknown option 'endpont_url' \(did you mean 'endpoint_url'\?\)"):
+        fsspec.filesystem(
+            "pffs", target="s3://bkt/p", endpont_url=s3_server.endpoint_url, cache_dir=str(cache_dir)
+        )
+    with pytest.raises(ValueError, match=r"unknown option 'cache_sise' \(did you mean 'cache_size'\?\)"):
+        pffs.open(str(cache_dir), cache_sise="1G")
 
 
 def test_overwritten_object_is_never_a_mix_and_is_new_after_the_ttl(

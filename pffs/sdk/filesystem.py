@@ -17,7 +17,7 @@ from fsspec.spec import AbstractBufferedFile
 
 from pffs.backends.backend import ObjectInfo
 from pffs.backends.urls import open_backend, split_url
-from pffs.sdk.options import CACHE_FIELDS, backend_options, cache_settings
+from pffs.sdk.options import CACHE_FIELDS, backend_options, cache_settings, check_passed_through
 from pffs.vfs.vfs import OpenObject, Vfs
 
 
@@ -36,6 +36,7 @@ class PffsFileSystem(ChainedFileSystem):
         cache_opts = {k: options.pop(k) for k in list(options) if k in CACHE_FIELDS}
         backend_opts = backend_options({**(target_options or {}), **options})
         super().__init__()
+        check_passed_through(split_url(target)[0] if target else target_protocol or "", backend_opts)
         if target is not None:  # fsspec.filesystem("pffs", target=URL): paths are relative to URL's path
             backend, root = open_backend(target, backend_opts)
             self.root = root.rstrip("/") or root

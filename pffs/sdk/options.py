@@ -7,6 +7,8 @@ names (access_key_id, endpoint_url, ...) work too.
 
 from __future__ import annotations
 
+import difflib
+import inspect
 from typing import Any
 
 from pydantic import ValidationError
@@ -46,6 +48,36 @@ def backend_options(raw: dict[str, Any]) -> BackendOptions:
         return BackendOptions(**fields, extra=extra)
     except ValidationError as exc:
         raise BadOptionError(f"bad backend option: {settings_error(exc)}") from None
+
+
+# Options every fsspec filesystem takes (AbstractFileSystem's own), beside those of its __init__.
+FSSPEC_COMMON = {"use_listings_cache", "listings_expiry_time", "max_paths", "skip_instance_cache"}
+
+
+def check_passed_through(protocol: str, options: BackendOptions) -> None:
+    """An option pffs does not know and the backend's client does not take is a typo: said now, by name,
+    not as a TypeError from deep inside the client at the first read."""
+    if protocol == "s3" and options.extra:
+        import s3fs
+
+        taken = set(inspect.signature(s3fs.S3FileSystem.__init__).parameters) - {"self", "kwargs"}
+        client = "s3fs.S3FileSystem"
+    elif protocol in ("file", "memory"):
+        taken, client = set(), "local files"
+    else:
+        return  # other clients take what their own constructors take, often through **kwargs
+    unknown = sorted(set(options.extra) - taken - FSSPEC_COMMON)
+    if not unknown:
+        return
+    names = sorted(BACKEND_FIELDS | CACHE_FIELDS | set(S3FS_NAMES) | taken)
+    hints = []
+    for name in unknown:
+        close = difflib.get_close_matches(name, names, n=1)
+        hints.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    raise BadOptionError(
+        f"unknown option {', '.join(hints)}: pffs takes {', '.join(sorted(CACHE_FIELDS | BACKEND_FIELDS))}"
+        + (f", and the options of {client}" if taken else "")
+    )
 
 
 def cache_settings(raw: dict[str, Any]) -> CacheSettings:
