@@ -21,6 +21,21 @@ from pffs.sdk.options import CACHE_FIELDS, backend_options, cache_settings, chec
 from pffs.vfs.vfs import OpenObject, Vfs
 
 
+def _unwrap_chained(
+    target_options: dict[str, Any] | None, target_protocol: str | None
+) -> tuple[dict[str, Any] | None, str | None]:
+    """The backend's own options. Hugging Face `datasets` passes a chained filesystem's storage options on
+    as the next layer's (`pffs::s3://...` becomes `{"target_protocol": "s3", "fo": ..., "target_options":
+    {<s3's options>}}` inside target_options): the backend's options are the innermost ones."""
+    while target_options and {"target_protocol", "target_options", "fo"} & target_options.keys():
+        outer = dict(target_options)
+        target_protocol = outer.pop("target_protocol", None) or target_protocol
+        outer.pop("fo", None)
+        inner = outer.pop("target_options", None) or {}
+        target_options = {**outer, **inner}
+    return target_options, target_protocol
+
+
 class PffsFileSystem(ChainedFileSystem):
     protocol = "pffs"
     root_marker = ""
@@ -33,6 +48,7 @@ class PffsFileSystem(ChainedFileSystem):
         fo: str | None = None,
         **options: Any,
     ) -> None:
+        target_options, target_protocol = _unwrap_chained(target_options, target_protocol)
         cache_opts = {k: options.pop(k) for k in list(options) if k in CACHE_FIELDS}
         backend_opts = backend_options({**(target_options or {}), **options})
         super().__init__()
