@@ -93,3 +93,68 @@ def test_pandas_reads_parquet_and_csv_through_pffs(
         f"pffs::s3://{bucket}/t.csv", storage_options={"s3": s3, "pffs": {"cache_dir": str(cache_dir)}}
     )
     assert table.equals(frame)
+
+
+LOADER = """
+import sys, fsspec, torch
+from pffs.cache.stats import read_totals
+
+class Shards(torch.utils.data.Dataset):  # the README's example
+    def __init__(self, target, cache_dir, options):
+        self.fs = fsspec.filesystem("pffs", target=target, cache_dir=cache_dir, **options)
+        self.names = self.fs.find("")
+
+    def __len__(self):
+        return len(self.names)
+
+    def __getitem__(self, i):
+        import hashlib
+        return self.names[i], hashlib.sha256(self.fs.cat_file(self.names[i])).hexdigest()
+
+if __name__ == "__main__":
+    import json
+    target, cache_dir, start, persistent, options = sys.argv[1:6]
+    loader = torch.utils.data.DataLoader(
+        Shards(target, cache_dir, json.loads(options)), batch_size=None, num_workers=2,
+        multiprocessing_context=start, persistent_workers=persistent == "persistent",
+    )
+    epochs = [dict(loader) for _ in range(2)]
+    print(json.dumps({"epochs": epochs, "totals": read_totals(cache_dir + "/stats.sqlite")}))
+"""
+
+
+@pytest.mark.parametrize("start", ["fork", "spawn"])
+@pytest.mark.parametrize("persistent", ["persistent", "new-workers"])
+def test_a_torch_dataloader_reads_exactly_and_every_block_is_counted_once(
+    raw_s3: Any, bucket: str, s3_server: SeaweedS3, tmp_path: Path, start: str, persistent: str
+) -> None:
+    """The README's Shards dataset, 2 epochs, 2 workers: exact bytes, one miss per block (the first
+    epoch), a hit for every other read, and nothing printed by a worker (no traceback at exit)."""
+    import hashlib
+    import importlib.util
+    import json
+    import subprocess
+    import sys
+
+    require([] if importlib.util.find_spec("torch") else ["torch (the dev extra: make setup)"], "DataLoader")
+    shards = {f"s{i:02d}.bin": bytes([i]) * (50_000 + i) for i in range(24)}
+    raw_s3.pipe({f"{bucket}/shards/{name}": data for name, data in shards.items()})
+    script = tmp_path / "loader.py"
+    script.write_text(LOADER)
+    options = {k: v for k, v in s3_server.storage_options().items() if k != "skip_instance_cache"}
+    result = subprocess.run(
+        [sys.executable, str(script), f"s3://{bucket}/shards", str(tmp_path / "c"), start, persistent,
+         json.dumps(options)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout)
+    expected = {name: hashlib.sha256(data).hexdigest() for name, data in shards.items()}
+    assert report["epochs"] == [expected, expected]
+    totals = report["totals"]
+    assert totals["misses"] == len(shards), totals
+    assert totals["memory_hits"] + totals["disk_hits"] == len(shards), totals
+    worker_noise = [line for line in result.stderr.splitlines() if "Warning" not in line and line.strip()]
+    assert not [line for line in worker_noise if "Traceback" in line or "exception" in line.lower()], (
+        result.stderr[-3000:]
+    )
