@@ -181,3 +181,23 @@ def test_missing_local_file(tmp_path: Path) -> None:
     result = run("cat", str(tmp_path / "nope"), "--cache-dir", str(tmp_path / "c"))
     assert result.returncode == 1
     assert result.stderr.decode().strip() == f"pffs: error: {tmp_path / 'nope'}: no such file or object"
+
+
+def test_no_silent_no_ops(tmp_path: Path) -> None:
+    """A command that would do nothing, or less than asked, says so (issue 15, bug 6)."""
+    typo = tmp_path / "typo"
+    result = run("stats", "--cache-dir", str(typo))
+    assert result.returncode == 1 and "no pffs cache here" in result.stderr.decode()
+    assert not typo.exists()  # not made into an empty cache that shows zeros
+    (tmp_path / "data.bin").write_bytes(b"x" * 1000)
+    unusable = tmp_path / "file-not-folder"
+    unusable.write_bytes(b"")
+    result = run("warmup", str(tmp_path / "data.bin"), "--cache-dir", str(unusable / "c"))
+    assert result.returncode == 1 and "nothing would be warmed" in result.stderr.decode(), result.stderr
+    result = run(
+        "cat", str(tmp_path / "data.bin"), "--cache-dir", str(tmp_path / "c"),
+        "--cache-size", "100000T", "--memory-cache-size", "100000T",
+    )  # fmt: skip
+    err = result.stderr.decode()
+    assert result.returncode == 0 and result.stdout == b"x" * 1000
+    assert "more than this machine's memory" in err and "more than the whole disk" in err

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import queue
 import sys
@@ -75,6 +76,12 @@ def warmup(args: argparse.Namespace) -> int:
         raise UsageError(f"--workers must be at least 1, not {args.workers}")
     # Warm-up fills the disk; keeping every block in this short-lived process's memory would only churn.
     vfs, path = open_vfs(args.url, args, memory_cache_size=0)
+    if vfs.cache.disk is None:  # said as a warning by the cache; here it means nothing could be done
+        raise OSError(
+            errno.EACCES,
+            f"{vfs.cache.directory}: not usable as a disk cache, so nothing would be warmed; "
+            "give --cache-dir a writable folder",
+        )
     started = time.monotonic()
     files = list(vfs.walk_files(path))
     progress = WarmupProgress(len(files), sum(f.size for f in files))

@@ -3,18 +3,23 @@ mount all read through this class."""
 
 from __future__ import annotations
 
+import logging
 import os
+import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 from pffs.backends.backend import Backend, ObjectInfo
 from pffs.backends.errors import ObjectChangedError
 from pffs.cache import Block, BlockCache
 from pffs.cache.fork import after_fork_in_child
-from pffs.config import CacheSettings
+from pffs.config import CacheSettings, format_size
 from pffs.vfs.metadata import MetadataCache
 from pffs.vfs.readahead import ReadAheadState
 from pffs.vfs.reader import ObjectReader
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -132,7 +137,35 @@ def shared_block_cache(settings: CacheSettings) -> BlockCache:
     )
     cache = _shared_caches.get(key)
     if cache is None:
+        _warn_if_beyond_the_machine(settings)
         cache = _shared_caches[key] = BlockCache(
             settings.cache_dir, settings.cache_size, settings.memory_cache_size, settings.direct_io
         )
     return cache
+
+
+def _warn_if_beyond_the_machine(settings: CacheSettings) -> None:
+    """A bound this machine cannot give is likely a slip (100T for 100G): said once; the cache still runs,
+    and then fills the disk or the memory before it evicts anything."""
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if settings.memory_cache_size > memory:
+        log.warning(
+            "memory cache size %s is more than this machine's memory (%s): reads will push other memory out",
+            format_size(settings.memory_cache_size),
+            format_size(memory),
+        )
+    folder = Path(settings.cache_dir).absolute()
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    try:
+        disk = shutil.disk_usage(folder).total
+    except OSError:
+        return
+    if settings.cache_size > disk:
+        log.warning(
+            "cache size %s is more than the whole disk under %s (%s): the cache will fill the disk before "
+            "it evicts anything",
+            format_size(settings.cache_size),
+            settings.cache_dir,
+            format_size(disk),
+        )
