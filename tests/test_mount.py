@@ -116,6 +116,7 @@ def test_listing_sizes_and_stat_come_from_one_list(ro_mount: Mount, dataset: dic
     assert after["head"]["requests"] == before["head"]["requests"], "a stat after a listing sent a HEAD"
     entries = {e.name: e for e in os.scandir(ro_mount.path)}
     assert entries["small"].is_dir() and entries[f"size-{BLOCK}.bin"].is_file()
+    assert entries["small"].stat().st_mtime > 1.5e9, "an S3 prefix dated 1970"  # the mount's start instead
 
 
 def test_concurrent_readers_in_threads_and_processes(ro_mount: Mount, dataset: dict[str, Any]) -> None:
@@ -588,6 +589,19 @@ def test_mount_errors_are_one_clear_line(
     with mounted(f"s3://{bucket}", tmp_path, env, "--endpoint-url", url, name="busy") as mount:
         result = pffs("mount", f"s3://{bucket}", str(mount.path), "--endpoint-url", url, *cache, env=env)
         assert result.returncode == 1 and "busy" in result.stderr
+    # Over a folder with files in it: allowed (as mount(8)), with a warning that they are out of sight.
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "old.txt").write_text("hidden meanwhile")
+    try:
+        result = pffs("mount", f"s3://{bucket}", str(full), "--endpoint-url", url, *cache, env=env)
+        assert result.returncode == 0 and "is not empty: its 1 entries are hidden" in result.stderr, (
+            result.stderr
+        )
+    finally:
+        pffs("umount", str(full), env=env)
+        subprocess.run(["fusermount3", "-u", "-z", str(full)], capture_output=True)
+    assert (full / "old.txt").read_text() == "hidden meanwhile"
 
 
 def test_sigterm_unmounts_cleanly(s3_server: SeaweedS3, raw_s3: s3fs.S3FileSystem, tmp_path: Path) -> None:

@@ -142,6 +142,14 @@ def prepare_mountpoint(path: Path) -> None:
         force_unmount(path)
         if mountpoint_state(path) != "free":
             raise OSError(16, f"mountpoint {path} is a dead mount that could not be detached")
+    with os.scandir(path) as entries:
+        hidden = sum(1 for _ in entries)
+    if hidden:  # as mount(8) does it: allowed, but the files there are out of sight until unmount
+        print(
+            f"pffs: warning: {path} is not empty: its {hidden} entries are hidden while pffs is mounted "
+            "there",
+            file=sys.stderr,
+        )
 
 
 def mount(args: argparse.Namespace) -> int:

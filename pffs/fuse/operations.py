@@ -16,6 +16,7 @@ import logging
 import os
 import posixpath
 import stat
+import time
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ParamSpec, TypeVar
@@ -110,6 +111,8 @@ class Operations(pyfuse3.Operations):
         self._handles = itertools.count(1)
         self._opened_version: dict[int, str] = {}  # inode -> identity at its last open (keep_cache)
         self._mtime_set: dict[str, int] = {}  # utimens on stored objects (S3 cannot store it)
+        # What an entry without a time of its own (an S3 prefix) shows, rather than 1970-01-01.
+        self._mounted_ns = time.time_ns()
         # Two sets of threads, so reads never queue behind slow backend calls (uploads, listings).
         self.backend_threads = WorkerThreads("pffs-backend", max(4, options.cache.fetch_workers))
         self.read_threads = WorkerThreads("pffs-read", READ_THREADS)
@@ -139,7 +142,7 @@ class Operations(pyfuse3.Operations):
         attr.st_size = info.size
         attr.st_blksize = 128 << 10  # what the kernel asks per read; `cp` sizes its buffer from it
         attr.st_blocks = -(-info.size // 512)
-        mtime_ns = self._mtime_set.get(info.path) or int(info.mtime * 1e9)
+        mtime_ns = self._mtime_set.get(info.path) or int(info.mtime * 1e9) or self._mounted_ns
         attr.st_mtime_ns = attr.st_ctime_ns = attr.st_atime_ns = mtime_ns
         return attr
 
