@@ -32,9 +32,11 @@ class BlockCache:
         disk_capacity_bytes: int,
         memory_capacity_bytes: int,
         direct_io: bool = False,
+        keep_stored_bound: bool = False,
     ) -> None:
         """`direct_io`: write and read the disk tier around the page cache (for a FUSE mount, whose files
-        the kernel caches already); else through it (the page cache then keeps the disk tier hot)."""
+        the kernel caches already); else through it (the page cache then keeps the disk tier hot).
+        `keep_stored_bound`: the disk tier keeps the bound it was last given (see DiskTier)."""
         self.directory = Path(directory) if directory is not None else None
         self.disk: DiskTier | None = None
         self.locks: StripedFileLocks | None = None
@@ -42,7 +44,9 @@ class BlockCache:
             try:
                 self.directory.mkdir(parents=True, exist_ok=True)
                 self.stats = CacheStats(self.directory / STATS_FILE)
-                self.disk = DiskTier(self.directory, disk_capacity_bytes, self.stats, direct_io)
+                self.disk = DiskTier(
+                    self.directory, disk_capacity_bytes, self.stats, direct_io, keep_stored_bound
+                )
                 self.locks = StripedFileLocks(self.directory / "locks")
             except (OSError, sqlite3.Error) as exc:
                 log.warning(

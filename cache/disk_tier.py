@@ -29,22 +29,31 @@ WRITE_BEHIND_BYTES = 64 << 20  # part of the mount's memory overhead (pffs.fuse.
 
 class DiskTier:
     def __init__(
-        self, directory: str | Path, capacity_bytes: int, stats: CacheStats, direct_io: bool = False
+        self,
+        directory: str | Path,
+        capacity_bytes: int,
+        stats: CacheStats,
+        direct_io: bool = False,
+        keep_stored_bound: bool = False,
     ) -> None:
+        """`keep_stored_bound`: the bound is the cache's own, as last set (stored in its index), and
+        `capacity_bytes` only that of a new cache. Else `capacity_bytes` is the bound from now on."""
         self.directory = Path(directory)
-        self.capacity_bytes = capacity_bytes
         self.stats = stats
         self._writes_disabled_until = 0.0
         self._warned = False
+        existing = (self.directory / "blocks" / "cache.db").exists()
+        bound = {} if keep_stored_bound and existing else {"size_limit": capacity_bytes}
         self._cache = BlockStore(
             str(self.directory / "blocks"),
             disk=BlockDisk,
-            size_limit=capacity_bytes,
             eviction_policy="least-recently-used",
             cull_limit=0,  # we cull ourselves, after each write, to count evictions
             statistics=False,
             tag_index=False,
+            **bound,
         )
+        self.capacity_bytes = int(self._cache.size_limit)
         self._cache.direct_io = direct_io
         self.writer = DiskWriter(self._put_batch, WRITE_BEHIND_BYTES)
 
@@ -129,6 +138,7 @@ class DiskTier:
                 if stored is not None and not is_intact(stored):
                     corrupt += 1
                     self.discard(key)
+        self.stats.add("corrupt_blocks", corrupt)
         return {"evicted": evicted, "corrupt": corrupt}
 
     def close(self) -> None:

@@ -201,3 +201,29 @@ def test_no_silent_no_ops(tmp_path: Path) -> None:
     err = result.stderr.decode()
     assert result.returncode == 0 and result.stdout == b"x" * 1000
     assert "more than this machine's memory" in err and "more than the whole disk" in err
+
+
+def test_the_disk_bound_is_the_caches_and_gc_verify_is_counted(tmp_path: Path) -> None:
+    """A bound given once stays with the cache; commands that give none use it, not their default (issue
+    15, bug 8). A corrupt block that `cache gc --verify` drops is counted in `pffs stats`."""
+    data = tmp_path / "data.bin"
+    data.write_bytes(pattern(300_000, seed=8))
+    cache = ["--cache-dir", str(tmp_path / "c")]
+
+    def capacity() -> int:
+        return int(json.loads(run("stats", "--json", *cache).stdout)["disk_capacity_bytes"])
+
+    assert run("warmup", str(data), "--cache-size", "50M", *cache).returncode == 0
+    assert capacity() == 50 << 20
+    assert run("cache", "gc", "--cache-size", "20M", *cache).returncode == 0
+    assert capacity() == 20 << 20
+    assert run("cat", str(data), *cache).stdout == data.read_bytes()  # no --cache-size: the cache's own
+    assert capacity() == 20 << 20
+    block = max((tmp_path / "c" / "blocks").rglob("*.blk"), key=lambda p: p.stat().st_size)
+    raw = bytearray(block.read_bytes())
+    raw[-100] ^= 0xFF  # one flipped bit in the block's bytes, past its header
+    block.write_bytes(bytes(raw))
+    report = json.loads(run("cache", "gc", "--verify", "--json", *cache).stdout)
+    assert report["corrupt"] == 1
+    assert json.loads(run("stats", "--json", *cache).stdout)["corrupt_blocks"] == 1
+    assert sha256(run("cat", str(data), *cache).stdout) == sha256(data.read_bytes())  # fetched again

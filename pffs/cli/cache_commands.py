@@ -61,7 +61,7 @@ def collect_stats(args: argparse.Namespace) -> dict[str, Any]:
         "cache_dir": str(settings.cache_dir),
         "disk_bytes": usage["disk_bytes"],
         "disk_blocks": usage["disk_blocks"],
-        "disk_capacity_bytes": settings.cache_size,
+        "disk_capacity_bytes": cache.disk.capacity_bytes if cache.disk is not None else settings.cache_size,
         "block_size": settings.block_size,
         "hit_ratio": round((totals["memory_hits"] + totals["disk_hits"]) / lookups, 4) if lookups else None,
         **totals,
@@ -158,6 +158,6 @@ def gc(args: argparse.Namespace) -> int:
     else:
         print(
             f"evicted {result['evicted']:,} blocks, dropped {result['corrupt']:,} corrupt; "
-            f"{format_size(cache.disk.used_bytes())} of {format_size(settings.cache_size)} in use"
+            f"{format_size(cache.disk.used_bytes())} of {format_size(cache.disk.capacity_bytes)} in use"
         )
     return 0

@@ -37,6 +37,8 @@ def options_with_credentials(options: MountOptions) -> bytes:
     """The options as the mount process reads them. pydantic prints SecretStr as stars; the child needs the
     values, so they are put back here, in the one message that goes through the pipe."""
     data = options.model_dump(mode="json")
+    # Only the cache settings given: one not given (--cache-size) means "the cache's own" (vfs.py).
+    data["cache"] = options.cache.model_dump(mode="json", exclude_unset=True)
     for name in SECRET_FIELDS:
         value = getattr(options.backend, name)
         if value is not None:

@@ -132,6 +132,7 @@ def shared_block_cache(settings: CacheSettings) -> BlockCache:
         os.getpid(),
         str(settings.cache_dir),
         settings.cache_size,
+        "cache_size" in settings.model_fields_set,
         settings.memory_cache_size,
         settings.direct_io,
     )
@@ -139,7 +140,13 @@ def shared_block_cache(settings: CacheSettings) -> BlockCache:
     if cache is None:
         _warn_if_beyond_the_machine(settings)
         cache = _shared_caches[key] = BlockCache(
-            settings.cache_dir, settings.cache_size, settings.memory_cache_size, settings.direct_io
+            settings.cache_dir,
+            settings.cache_size,
+            settings.memory_cache_size,
+            settings.direct_io,
+            # The disk bound is the cache's: one given (--cache-size) is kept with the cache; without one,
+            # the cache's own applies (10 GiB for a new cache), not the default of this command.
+            keep_stored_bound="cache_size" not in settings.model_fields_set,
         )
     return cache
 
