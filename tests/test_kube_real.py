@@ -452,23 +452,6 @@ def test_pffs_scheduler_binds_gangs_whole_prefers_one_tor_and_warm_nodes_and_say
     )
     core = client.CoreV1Api(cluster.api())
 
-    def gang_pod(name: str, group: str, size: int, gpus: int, **extra: Any) -> dict[str, Any]:
-        labels = {"scheduling.x-k8s.io/pod-group": group} | extra.get("labels", {})
-        annotations = {"pffs.io/min-member": str(size)} | extra.get("annotations", {})
-        return {
-            "metadata": {"name": name, "labels": labels, "annotations": annotations},
-            "spec": {
-                "schedulerName": "pffs-scheduler",
-                "containers": [
-                    {
-                        "name": "c",
-                        "image": "busybox:1.36",
-                        "resources": {"limits": {"nvidia.com/gpu": str(gpus)}, "requests": {"cpu": "1"}},
-                    }
-                ],
-            },
-        }
-
     def node_of(name: str) -> str | None:
         return core.read_namespaced_pod(name, "default").spec.node_name
 
