@@ -71,9 +71,7 @@ class HelperProcessFileSystem:
             ok, answer = helper.call((method, args, kwargs), timeout_left(NO_DEADLINE_S))
         except BaseException:  # no answer in time, or the helper died: it is not reused
             helper.kill()
-            with self._room:
-                self._started -= 1
-                self._room.notify()
+            self._give_back_slot()
             raise
         with self._room:
             self._idle.append(helper)
@@ -92,10 +90,14 @@ class HelperProcessFileSystem:
         try:
             return _Helper(self._setup)
         except BaseException:
-            with self._room:
-                self._started -= 1
-                self._room.notify()
+            self._give_back_slot()
             raise
+
+    def _give_back_slot(self) -> None:
+        """One helper fewer (killed, or never started): a waiting call may start another."""
+        with self._room:
+            self._started -= 1
+            self._room.notify()
 
     def info(self, path: str, **kwargs: Any) -> Any:
         return self._call("info", path, **kwargs)

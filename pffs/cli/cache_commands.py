@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import errno
 import json
 import os
 from typing import Any
 
-from pffs.cli.context import cache_settings, open_cache
+from pffs.cli.context import open_cache
 from pffs.config import format_size
 
 
@@ -40,20 +39,8 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
     c.set_defaults(run=gc)
 
 
-def open_existing_cache(args: argparse.Namespace) -> tuple[Any, Any]:
-    """The cache directory's settings and cache; a folder that is not one is an error, not a new cache."""
-    directory = cache_settings(args).cache_dir
-    if not os.path.isdir(os.path.join(directory, "blocks")):
-        raise OSError(
-            errno.ENOENT,
-            f"{directory}: no pffs cache here; give the --cache-dir your mounts and programs use "
-            "(by default $PFFS_CACHE_DIR, else ~/.cache/pffs)",
-        )
-    return open_cache(args)
-
-
 def collect_stats(args: argparse.Namespace) -> dict[str, Any]:
-    settings, cache = open_existing_cache(args)
+    settings, cache = open_cache(args, must_exist=True)
     totals = cache.machine_totals()
     usage = cache.usage()
     lookups = totals["memory_hits"] + totals["disk_hits"] + totals["misses"]
@@ -141,14 +128,14 @@ def mount_stats(mountpoint: str, as_json: bool) -> int:
 
 
 def clear(args: argparse.Namespace) -> int:
-    settings, cache = open_existing_cache(args)
+    settings, cache = open_cache(args, must_exist=True)
     removed = cache.clear()
     print(f"removed {removed:,} blocks from {settings.cache_dir}")
     return 0
 
 
 def gc(args: argparse.Namespace) -> int:
-    settings, cache = open_existing_cache(args)
+    settings, cache = open_cache(args, must_exist=True)
     if cache.disk is None:
         print(f"no usable disk cache at {settings.cache_dir}")
         return 1

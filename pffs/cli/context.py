@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import errno
+from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
@@ -50,6 +52,14 @@ def open_vfs(url: str, args: argparse.Namespace, **overrides: Any) -> tuple[Vfs,
     return Vfs(backend, cache_settings(args, **overrides)), path
 
 
-def open_cache(args: argparse.Namespace) -> tuple[CacheSettings, BlockCache]:
+def open_cache(args: argparse.Namespace, must_exist: bool = False) -> tuple[CacheSettings, BlockCache]:
+    """The cache at --cache-dir; with `must_exist`, a folder that holds no pffs cache is an error (for the
+    commands that look after a cache: they must not make an empty one)."""
     settings = cache_settings(args)
+    if must_exist and not (Path(settings.cache_dir) / "blocks").is_dir():
+        raise OSError(
+            errno.ENOENT,
+            f"{settings.cache_dir}: no pffs cache here; give the --cache-dir your mounts and programs use "
+            "(by default $PFFS_CACHE_DIR, else ~/.cache/pffs)",
+        )
     return settings, shared_block_cache(settings)

@@ -128,32 +128,34 @@ _shared_caches: dict[tuple[object, ...], BlockCache] = {}
 
 def shared_block_cache(settings: CacheSettings) -> BlockCache:
     """One BlockCache (and so one memory tier) per cache directory per process, whatever reads through it."""
+    # The disk bound is the cache's: one given (--cache-size) is kept with the cache; without one, the
+    # cache's own applies (10 GiB for a new cache), not the default of this command.
+    bound_given = "cache_size" in settings.model_fields_set
     key = (
         os.getpid(),
         str(settings.cache_dir),
         settings.cache_size,
-        "cache_size" in settings.model_fields_set,
+        bound_given,
         settings.memory_cache_size,
         settings.direct_io,
     )
     cache = _shared_caches.get(key)
     if cache is None:
-        _warn_if_beyond_the_machine(settings)
+        _warn_if_beyond_the_machine(settings, bound_given)
         cache = _shared_caches[key] = BlockCache(
             settings.cache_dir,
             settings.cache_size,
             settings.memory_cache_size,
             settings.direct_io,
-            # The disk bound is the cache's: one given (--cache-size) is kept with the cache; without one,
-            # the cache's own applies (10 GiB for a new cache), not the default of this command.
-            keep_stored_bound="cache_size" not in settings.model_fields_set,
+            keep_stored_bound=not bound_given,
         )
     return cache
 
 
-def _warn_if_beyond_the_machine(settings: CacheSettings) -> None:
+def _warn_if_beyond_the_machine(settings: CacheSettings, disk_bound_given: bool) -> None:
     """A bound this machine cannot give is likely a slip (100T for 100G): said once; the cache still runs,
-    and then fills the disk or the memory before it evicts anything."""
+    and then fills the disk or the memory before it evicts anything. (A disk bound not given is the
+    cache's own, not settings.cache_size: nothing to say of it here.)"""
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if settings.memory_cache_size > memory:
         log.warning(
@@ -161,6 +163,8 @@ def _warn_if_beyond_the_machine(settings: CacheSettings) -> None:
             format_size(settings.memory_cache_size),
             format_size(memory),
         )
+    if not disk_bound_given:
+        return
     folder = Path(settings.cache_dir).absolute()
     while not folder.exists() and folder != folder.parent:
         folder = folder.parent
