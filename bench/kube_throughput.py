@@ -27,7 +27,12 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from pffs.testing.kube_cluster import KubeControlPlane, add_node, missing_binaries  # noqa: E402
+from pffs.testing.kube_cluster import (  # noqa: E402
+    KubeControlPlane,
+    add_node,
+    missing_binaries,
+    pffs_scheduler_command,
+)
 from pffs.testing.s3_server import free_ports  # noqa: E402
 
 TICKS = os.sysconf("SC_CLK_TCK")
@@ -118,18 +123,7 @@ def run(kind: str, nodes: int, pods: int, workdir: Path) -> dict[str, Any]:
         if kind == "pffs":
             queues = workdir / "queues.yaml"
             queues.write_text("queues:\n  - name: default\n    weight: 1\n")
-            args = [
-                sys.executable,
-                "-m",
-                "pffs.cli.main",
-                "scheduler",
-                "--kubeconfig",
-                str(cluster.kubeconfig),
-                "--queues",
-                str(queues),
-                "--interval",
-                "0.2",
-            ]
+            args = pffs_scheduler_command(cluster.kubeconfig, queues, "0.2")
         else:
             # kube-scheduler's client is rate-limited (50 requests/s by default, one Binding per pod);
             # the "unthrottled" run lifts that limit, as operators of large clusters do.

@@ -15,7 +15,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -28,6 +27,7 @@ import yaml
 from helpers import poll, require, sha256
 
 from pffs.testing.csi_plugin import CsiPlugin
+from pffs.testing.kube_cluster import pffs_scheduler_command
 from pffs.testing.kube_node import KubeNode, NodeControlPlane, missing_node_binaries
 from pffs.testing.oci_image import BUSYBOX_IMAGE
 from pffs.testing.s3_server import SeaweedS3
@@ -92,19 +92,9 @@ def world(s3_server: SeaweedS3, tmp_path_factory: pytest.TempPathFactory) -> Ite
                 processes.append(
                     _start(
                         root / "pffs-scheduler.log",
-                        [
-                            sys.executable,
-                            "-m",
-                            "pffs.cli.main",
-                            "scheduler",
-                            "--kubeconfig",
-                            str(cluster.kubeconfig),
-                            "--queues",
-                            str(REPO / "deploy/scheduler/queues.yaml"),
-                            "--interval",
-                            "1",
-                            "-v",
-                        ],
+                        pffs_scheduler_command(
+                            cluster.kubeconfig, REPO / "deploy/scheduler/queues.yaml", "1", "-v"
+                        ),
                     )
                 )
                 logs_of["provisioner"] = lambda: (root / "provisioner.log").read_text(errors="replace")

@@ -27,7 +27,7 @@ from helpers import poll, require, sha256
 from pffs.csi import csi_pb2
 from pffs.scheduler.kube.locality import CACHE_ANNOTATION, node_cache
 from pffs.testing.csi_plugin import CsiPlugin
-from pffs.testing.kube_cluster import KubeControlPlane, add_node, missing_binaries
+from pffs.testing.kube_cluster import KubeControlPlane, add_node, missing_binaries, pffs_scheduler_command
 from pffs.testing.s3_server import SeaweedS3, free_ports
 
 REPO = Path(__file__).resolve().parent.parent
@@ -513,20 +513,7 @@ def pffs_scheduler(cluster: KubeControlPlane, queues: Path, log_path: Path) -> I
     """`pffs scheduler` against the cluster, cycling every second, stopped after (also on failure)."""
     with open(log_path, "ab") as log:
         scheduler = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "pffs.cli.main",
-                "scheduler",
-                "--kubeconfig",
-                str(cluster.kubeconfig),
-                "--queues",
-                str(queues),
-                "--interval",
-                "1",
-                "-v",
-            ],
-            stderr=log,
+            pffs_scheduler_command(cluster.kubeconfig, queues, "1", "-v"), stderr=log
         )
     try:
         yield

@@ -269,6 +269,14 @@ class KubeControlPlane:
         return client.ApiClient(configuration)
 
 
+def pffs_scheduler_command(kubeconfig: Path, queues: Path, interval: str, *extra: str) -> list[str]:
+    """`pffs scheduler` against a test cluster, as the tests and the bench start it."""
+    return [
+        sys.executable, "-m", "pffs.cli.main", "scheduler",
+        "--kubeconfig", str(kubeconfig), "--queues", str(queues), "--interval", interval, *extra,
+    ]  # fmt: skip
+
+
 def add_node(
     api: Any,
     name: str,
