@@ -982,19 +982,27 @@ def write_dataset(s3: Any, workdir: Path, args: argparse.Namespace) -> Spec:
     )
 
 
-def prepare_juicefs(ctx: Context, args: argparse.Namespace, spec: Spec) -> list[str]:
-    """Formats a JuiceFS volume (SQLite metadata, data in s3://jfsbucket of the same server) and writes the
-    same dataset into it through a mount of its own, whose cache is then thrown away."""
+def format_juicefs(ctx: Context) -> list[str]:
+    """Formats a JuiceFS volume (SQLite metadata in WORKDIR/juicefs, data in s3://jfsbucket of the same
+    server) and points ctx.jfs_meta at it; returns the format command (bench/pjdfstest.py uses it too)."""
     jfs_dir = ctx.workdir / "juicefs"
     jfs_dir.mkdir(parents=True, exist_ok=True)
     ctx.jfs_meta = f"sqlite3://{jfs_dir / 'jfs.db'}"
     env = {**os.environ, "ACCESS_KEY": ctx.key, "SECRET_KEY": ctx.secret}
     fmt = [str(BIN / "juicefs"), "format", "--storage", "s3", "--bucket", f"{ctx.endpoint_url}/{JFS_BUCKET}"]
     fmt += [ctx.jfs_meta, "benchjfs"]
-    log("juicefs: formatting, then writing the dataset into it")
     done = subprocess.run(fmt, env=env, capture_output=True, text=True, timeout=120, check=False)
     if done.returncode != 0:
         raise PhaseFailed(f"juicefs format exited {done.returncode}: {done.stderr.strip()[-1500:]}")
+    return fmt
+
+
+def prepare_juicefs(ctx: Context, args: argparse.Namespace, spec: Spec) -> list[str]:
+    """Formats a JuiceFS volume (format_juicefs) and writes the same dataset into it through a mount of its
+    own, whose cache is then thrown away."""
+    log("juicefs: formatting, then writing the dataset into it")
+    fmt = format_juicefs(ctx)
+    jfs_dir = ctx.workdir / "juicefs"
     writer = Mount("juicefs", ctx, jfs_dir / "write-cache", ctx.workdir / "mnt" / "juicefs-write")
     started = time.monotonic()
     try:
