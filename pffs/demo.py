@@ -25,11 +25,23 @@ from pffs.testing.s3_server import SeaweedS3
 BUCKET = "pffs-demo"
 
 
-def read_all(fs: Any) -> tuple[float, dict[str, str]]:
-    """Lists the dataset (one LIST fills sizes and ETags: no HEAD per file) and reads every object."""
-    started = time.perf_counter()
-    digests = {name: hashlib.sha256(fs.cat_file(name)).hexdigest() for name in fs.find("train")}
-    return time.perf_counter() - started, digests
+class Run:
+    """One pass over the dataset: its time, what it read, and what it cost the backend."""
+
+    def __init__(self, fs: Any) -> None:
+        requests_before = backend_requests(fs)
+        fetched_before = fs.vfs.cache.machine_totals()["bytes_fetched"]
+        started = time.perf_counter()
+        # One LIST fills sizes and ETags: no HEAD per file.
+        self.digests = {name: hashlib.sha256(fs.cat_file(name)).hexdigest() for name in fs.find("train")}
+        self.seconds = time.perf_counter() - started
+        self.requests = backend_requests(fs) - requests_before
+        self.bytes_fetched = fs.vfs.cache.machine_totals()["bytes_fetched"] - fetched_before
+
+
+def backend_requests(fs: Any) -> int:
+    """Requests this filesystem's backend has sent so far (GETs, HEADs, LISTs)."""
+    return int(sum(row["requests"] for row in fs.vfs.backend.requests.snapshot().values()))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,21 +80,32 @@ def main(argv: list[str] | None = None) -> int:
 
         fs = pffs_fs()
         runs = {}
-        runs["cold (from S3)"] = read_all(fs)
+        runs["cold (from S3)"] = Run(fs)
         # A reader with no memory tier, as a new process would be: blocks come from the disk tier.
         disk_reader = pffs_fs(memory_cache_size=0)
-        runs["warm (disk tier)"] = read_all(disk_reader)
-        runs["warm (memory tier)"] = read_all(fs)
-        for label, (_, digests) in runs.items():
-            if digests != expected:
+        runs["warm (disk tier)"] = Run(disk_reader)
+        runs["warm (memory tier)"] = Run(fs)
+        for label, run in runs.items():
+            if run.digests != expected:
                 print(f"MISMATCH in the {label} read", file=sys.stderr)
                 return 1
 
-        cold = runs["cold (from S3)"][0]
-        print(f"\n{'read':<20} {'seconds':>8} {'MB/s':>9} {'speed-up':>9}")
-        for label, (seconds, _) in runs.items():
-            print(f"{label:<20} {seconds:8.2f} {total / seconds / 1e6:9.0f} {cold / seconds:8.1f}x")
-        print("every byte checked against the source (sha256): OK\n")
+        cold = runs["cold (from S3)"]
+        print("\n" + "read".ljust(20) + "  seconds      MB/s  speed-up  S3 requests   S3 bytes")
+        for label, run in runs.items():
+            speed = f"{total / run.seconds / 1e6:9.0f} {cold.seconds / run.seconds:8.1f}x"
+            cost = f"{run.requests:12,} {format_size(run.bytes_fetched):>10}"
+            print(f"{label:<20} {run.seconds:8.2f} {speed} {cost}")
+        print("every byte checked against the source (sha256): OK")
+        warm = [run for run in runs.values() if run is not cold]
+        saved_requests = sum(cold.requests - run.requests for run in warm)
+        saved = format_size(sum(cold.bytes_fetched - run.bytes_fetched for run in warm))
+        print(f"the two warm passes saved {saved_requests:,} S3 requests and {saved} of transfer.")
+        print(
+            "The 'remote' S3 server of this demo runs on this machine and reads the same disk as the\n"
+            "cache, so the speed-ups above understate a real remote store; the requests and bytes\n"
+            "saved are what carry over.\n"
+        )
 
         stats = fs.vfs.cache.machine_totals()
         usage = fs.vfs.cache.usage()
