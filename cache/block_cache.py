@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import sqlite3
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from .disk_tier import DiskTier
@@ -103,6 +103,52 @@ class BlockCache:
             self.stats.add("bytes_from_disk", len(part))
         return part
 
+    def get_consecutive(
+        self, keys: Sequence[str], lengths: Sequence[int], fetch: Callable[[int, int], Block]
+    ) -> list[Block]:
+        """Blocks that lie one after another in their source (the small pieces of a random read): each
+        from memory or disk; the missing ones fetched together, one `fetch(i, j)` (the bytes of keys[i:j],
+        in order) per run of consecutive missing keys, and stored under their own keys. A hit or a miss
+        is counted per key. No single-flight here: two threads missing the same piece both fetch it (the
+        same bytes, a small piece), which keeps a run one request."""
+        found: list[Block | None] = []
+        for key, length in zip(keys, lengths, strict=True):
+            data = self.memory.get(key)
+            if data is not None:
+                self.stats.add("memory_hits")
+                self.stats.add("bytes_from_memory", len(data))
+            else:
+                data = self._from_disk(key, length)
+                if data is not None:
+                    self.memory.put(key, data)
+            found.append(data)
+        i = 0
+        while i < len(keys):
+            if found[i] is not None:
+                i += 1
+                continue
+            j = i
+            while j < len(keys) and found[j] is None:
+                j += 1
+            run = memoryview(fetch(i, j))
+            offset = 0
+            for k in range(i, j):
+                found[k] = piece = run[offset : offset + lengths[k]]
+                offset += lengths[k]
+                self._store_fetched(keys[k], piece)
+            i = j
+        return [data for data in found if data is not None]
+
+    def _store_fetched(self, key: str, data: Block) -> None:
+        """A piece fetched outside `get`: counted, kept in memory and written to disk."""
+        self.stats.add("misses")
+        self.stats.add("bytes_fetched", len(data))
+        self.memory.put(key, data)
+        if self.disk is not None:
+            written = self.disk.put_later(key, data)
+            if written is not None and in_worker_process():
+                written.result()  # see _fetch: a worker process may end at any time after
+
     def ensure_on_disk(self, key: str, fetch: Callable[[], Block]) -> bool:
         """For warm-up: stores the block on disk if it is not there yet. Returns True if it was fetched."""
         if self.disk is not None and self.disk.contains(key):
@@ -178,6 +224,10 @@ class BlockCache:
         """Returns once every block fetched so far is on disk (or failed to get there)."""
         if self.disk is not None:
             self.disk.writer.drain()
+
+    def stored_keys(self, prefix: str) -> set[str]:
+        """Keys on the disk tier that start with `prefix` (from its index: blocks written so far)."""
+        return self.disk.stored_keys(prefix) if self.disk is not None else set()
 
     def discard(self, key: str) -> None:
         self.memory.discard(key)

@@ -219,6 +219,19 @@ class BlockStore(diskcache.Cache):
     def has_block(self, key: str) -> bool:
         return os.path.exists(self.block_path(key))
 
+    def stored_keys(self, prefix: str) -> set[str]:
+        """Keys with a row (reserved ones, being written, left out) that start with `prefix`: a range scan
+        of the key index, so asking about one object costs no file lookups however many blocks it has."""
+        if not prefix:
+            raise ValueError("a key prefix is needed")
+        upper = prefix[:-1] + chr(ord(prefix[-1]) + 1)
+        with sqlite_fork_gate:  # a read: no write lock, as diskcache's own __contains__
+            rows = self._sql(
+                "SELECT key FROM Cache WHERE key >= ? AND key < ? AND raw = 1 AND access_time < ?",
+                (prefix, upper, RESERVED),
+            ).fetchall()
+        return {key for (key,) in rows}
+
     def delete_block(self, key: str) -> None:
         """Drops the block: its row (and file), and its file even if it has no row."""
         self.delete(key, retry=True)

@@ -76,6 +76,14 @@ class DiskTier:
     def contains(self, key: str) -> bool:
         return self._cache.has_block(key)
 
+    def stored_keys(self, prefix: str) -> set[str]:
+        """Keys stored (not just being written) that start with `prefix`; empty if the index is unreadable."""
+        try:
+            return self._cache.stored_keys(prefix)
+        except sqlite3.Error as exc:
+            log.warning("could not list cached blocks: %s", exc)
+            return set()
+
     def put(self, key: str, payload: bytes | memoryview) -> bool:
         """Stores a block now; returns False (and serves on without the disk) if the disk refuses it."""
         return self._put_batch([(key, payload)])

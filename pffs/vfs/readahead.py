@@ -1,17 +1,23 @@
 """Read-ahead: which blocks to fetch before a reader asks for them.
 
 Per open object, a reader that keeps reading where it stopped doubles its window (up to the byte budget); a
-seek elsewhere drops it back to none. All readers of a process share one budget of bytes in flight.
+seek elsewhere drops it back to none. Reads near each other that skip much of what lies between them (a
+parquet column projection: 1 MB reads 2 MB apart) are no stream: read-ahead starts only while the recent
+reads cover at least DENSE_FRACTION of the stretch they span. All readers of a process share one budget of
+bytes in flight.
 """
 
 from __future__ import annotations
 
 import threading
+from collections import deque
 from concurrent.futures import Future
 
 from pffs.cache import Block
 
 MIN_RUN = 256 << 10
+DENSE_FRACTION = 2 / 3
+RECENT_READS = 8  # the reads whose coverage decides
 
 
 class ReadAheadBudget:
@@ -55,7 +61,9 @@ class ReadAheadState:
         # Bytes read one after the other since the last seek. Read-ahead starts only past MIN_RUN: the
         # kernel splits some random 128 KiB reads in two requests, which would look sequential.
         self.run_bytes = 0
-        self.seeks = 0  # reads that did not follow the one before
+        self.recent: deque[tuple[int, int]] = deque(maxlen=RECENT_READS)  # [offset, end) of the last reads
+        self.seeks = 0  # reads that were no part of a stream (see random)
+        self.streaming = True  # the last read continued the ones before it densely (or started at 0)
         self.scheduled_up_to = -1  # highest block index already handed to the prefetcher
         self.pending: dict[int, Future[Block]] = {}
         self.lock = threading.Lock()  # a handle may be read from several threads (FUSE does)
@@ -76,26 +84,46 @@ class ReadAheadState:
 
     @property
     def random(self) -> bool:
-        """The reader seeks: read only what it asks for, not whole blocks (a first read from the start,
-        or one following the last, is not random)."""
-        return self.window_blocks == 0 and self.seeks > 0
+        """The last read was no part of a stream: read only what it asks for, not whole blocks (a first
+        read from the start, or one following the last ones closely, is part of a stream)."""
+        return not self.streaming
 
     def on_read(self, offset: int, end: int, last_block: int) -> range:
         """Records a read of [offset, end) and returns the block indexes to prefetch now."""
-        if abs(offset - self.next_offset) <= self.slack_bytes and self.max_window_blocks:
+        # The first read follows on only from the start: a handle's first read elsewhere (a parquet reader's
+        # first column chunk, just past the file's magic bytes) says nothing of a stream yet.
+        follows = abs(offset - self.next_offset) <= self.slack_bytes if self.recent else offset == 0
+        if follows:
+            self.recent.append((offset, end))
             self.run_bytes += end - offset
-            if self.run_bytes >= MIN_RUN:
-                self.window_blocks = min(self.max_window_blocks, max(1, self.window_blocks * 2))
             self.next_offset = max(self.next_offset, end)
+            self.streaming = self._dense()
         else:
-            self.window_blocks = 0
-            self.seeks += 1
             self.run_bytes = end - offset
+            self.recent.clear()
+            self.recent.append((offset, end))
             self.scheduled_up_to = last_block
             self.next_offset = end
+            self.streaming = False
+        if not self.streaming:
+            self.window_blocks = 0
+            self.seeks += 1
+        elif self.run_bytes >= MIN_RUN and self.max_window_blocks:
+            self.window_blocks = min(self.max_window_blocks, max(1, self.window_blocks * 2))
         first = max(last_block + 1, self.scheduled_up_to + 1)
         stop = last_block + 1 + self.window_blocks
         if first >= stop:
             return range(0)
         self.scheduled_up_to = stop - 1
         return range(first, stop)
+
+    def _dense(self) -> bool:
+        """Whether the recent reads cover at least DENSE_FRACTION of the stretch from the first byte of
+        them to the last (reads that arrive out of order or overlap, as FUSE's do, still cover it all)."""
+        covered, reach = 0, -1
+        for start, end in sorted(self.recent):
+            if end > reach:
+                covered += end - max(start, reach)
+                reach = end
+        span = reach - min(start for start, _ in self.recent)
+        return covered >= DENSE_FRACTION * span

@@ -2,7 +2,9 @@
 
 A read of [offset, offset+length) is split into blocks; each block comes from memory, disk or one ranged GET
 (see pffs.cache). Blocks of one large read are fetched in parallel; blocks beyond it are prefetched when the
-reader is sequential. Every key carries the object's identity, so bytes of two versions never mix.
+reader is sequential. A random read takes from a block only the part it wants: from the block if that is
+cached, else from the block's 64 KiB pieces (see pieces.py). Every key carries the object's identity, so
+bytes of two versions never mix.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from pffs.backends.backend import Backend, ObjectInfo
 from pffs.cache import Block, BlockCache
 from pffs.cache.aligned import aligned_buffer
 from pffs.cache.fork import after_fork_in_child
+from pffs.vfs.pieces import PieceReader
 from pffs.vfs.readahead import ReadAheadBudget, ReadAheadState
 
 
@@ -33,6 +36,7 @@ class ObjectReader:
         self.readahead_blocks = readahead_bytes // block_size
         self.budget = ReadAheadBudget(readahead_bytes)
         self.workers = workers
+        self.pieces = PieceReader(backend, cache)
         self._pool: ThreadPoolExecutor | None = None
         self._pool_pid = 0
         self._pool_lock = threading.Lock()
@@ -106,11 +110,9 @@ class ObjectReader:
                 ready = state.take(first, last)
                 self._read_ahead(info, state, offset, end, last)
                 random_access = state.random
-        if random_access and last - first <= 1 and not ready:
-            # A random read: just its part of the cached block(s) it falls in, not whole 4 MiB loads.
-            part = self._cached_part(info, offset, end, first, last)
-            if part is not None:
-                return part if as_view or isinstance(part, bytes) else bytes(part)
+        if random_access and not ready:
+            data = self._read_sparse(info, offset, end, first, last)
+            return data if as_view or isinstance(data, bytes) else bytes(data)
         # Blocks after the first are fetched in parallel while the first is read here.
         for index in range(first + 1, last + 1):
             if index not in ready:
@@ -123,18 +125,39 @@ class ObjectReader:
                 future.cancel()
         return self._assemble(blocks, offset, end, first, last, as_view)
 
-    def _cached_part(self, info: ObjectInfo, offset: int, end: int, first: int, last: int) -> Block | None:
-        """Bytes [offset, end) from the parts of blocks first..last that hold them, if all are cached."""
-        parts = []
-        for index in range(first, last + 1):
-            block_start = index * self.block_size
-            start, stop = max(offset, block_start), min(end, block_start + self.block_size)
-            part = self.cache.get_range_if_cached(
-                self.key(info, index), start - block_start, stop - block_start
-            )
-            if part is None or len(part) != stop - start:
-                return None
-            parts.append(part)
+    def _read_sparse(self, info: ObjectInfo, offset: int, end: int, first: int, last: int) -> Block:
+        """A random read of [offset, end): the blocks it covers whole are read as blocks (in parallel); of
+        a block it wants only part of, that part comes from the block if it is cached, else from pieces."""
+        # In order: a block being fetched, a cached part, or a stretch [start, stop) to read from pieces.
+        plan: list[Future[Block] | Block | tuple[int, int]] = []
+        try:
+            for index in range(first, last + 1):
+                block_start, block_end = self.block_range(info, index)
+                start, stop = max(offset, block_start), min(end, block_end)
+                if (start, stop) == (block_start, block_end):
+                    plan.append(self.pool.submit(self.block, info, index))
+                    continue
+                part = self.cache.get_range_if_cached(
+                    self.key(info, index), start - block_start, stop - block_start
+                )
+                if part is not None and len(part) == stop - start:
+                    plan.append(part)
+                elif plan and isinstance(plan[-1], tuple):  # one block's tail, the next one's head: one GET
+                    plan[-1] = (plan[-1][0], stop)
+                else:
+                    plan.append((start, stop))
+            parts = [
+                step.result()
+                if isinstance(step, Future)
+                else self.pieces.read(info, *step)
+                if isinstance(step, tuple)
+                else step
+                for step in plan
+            ]
+        finally:
+            for step in plan:
+                if isinstance(step, Future):
+                    step.cancel()
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
     def read_now(self, info: ObjectInfo, offset: int, length: int, state: ReadAheadState) -> Block | None:
@@ -221,23 +244,18 @@ class ObjectReader:
         return sum(self.warm_block(info, i) for i in range(self.block_count(info)))
 
     def cached_bytes(self, info: ObjectInfo) -> int:
-        """Bytes of the object whose blocks are on the disk tier (for the node's cache report)."""
+        """Bytes of the object on the disk tier, in whole blocks or in the pieces random reads fetched
+        (after everything read so far is written; for the node's cache report, xattrs and `pffs du`)."""
         if self.cache.disk is None:
             return 0
         self.cache.wait_for_disk()
         disk = self.cache.disk
-        ranges = (
-            self.block_range(info, i)
-            for i in range(self.block_count(info))
-            if disk.contains(self.key(info, i))
-        )
-        return sum(end - start for start, end in ranges)
+        blocks = {i for i in range(self.block_count(info)) if disk.contains(self.key(info, i))}
+        in_blocks = sum(end - start for start, end in map(lambda i: self.block_range(info, i), blocks))
+        return in_blocks + self.pieces.cached_bytes(info, self.block_size, blocks)
 
     def cached_fraction(self, info: ObjectInfo) -> float:
-        """The fraction of the object's blocks on the disk tier (after the blocks read so far are written)."""
-        count = self.block_count(info)
-        if count == 0 or self.cache.disk is None:
-            return 1.0 if count == 0 else 0.0
-        self.cache.wait_for_disk()
-        disk = self.cache.disk
-        return sum(disk.contains(self.key(info, i)) for i in range(count)) / count
+        """The fraction of the object's bytes on the disk tier (see cached_bytes)."""
+        if info.size == 0:
+            return 1.0
+        return self.cached_bytes(info) / info.size
