@@ -10,6 +10,7 @@ from pffs import __version__
 from pffs.cli import (
     cache_commands,
     csi_commands,
+    list_commands,
     mount_commands,
     read_commands,
     sched_commands,
@@ -35,6 +36,7 @@ examples:
   pffs stats /mnt/imagenet && pffs umount /mnt/imagenet
   pffs --endpoint-url http://127.0.0.1:8333 warmup s3://datasets/imagenet/train --workers 16
   pffs cat s3://datasets/labels.csv | head
+  pffs ls s3://datasets/imagenet/ && pffs du -d 1 s3://datasets/imagenet
   pffs stats --json
   pffs cache gc --verify
   pffs extender --port 8888
@@ -98,6 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"pffs {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     read_commands.add_parsers(sub, common)
+    list_commands.add_parsers(sub, common)
     mount_commands.add_parsers(sub, common)
     cache_commands.add_parsers(sub, common)
     verbosity = verbosity_option()
