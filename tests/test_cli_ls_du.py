@@ -116,7 +116,7 @@ def test_cached_bytes_are_exactly_what_was_warmed_and_read(
     assert level["total"] == {"objects": 1, "prefixes": 2, "size": SIZES["top"], "cached_bytes": 0}
     human = ok("ls", url, *options).stdout.splitlines()
     assert [line.split()[-1] for line in human[1:-1]] == ["a/", "b/", "top"]
-    assert human[3].split()[:4] == ["1000", "B", "0", "B"] and human[-1].startswith("1 objects, 2 prefixes")
+    assert human[3].split()[:4] == ["1000", "B", "0", "B"] and human[-1].startswith("1 object, 2 prefixes: ")
 
 
 def test_du_totals_per_prefix_to_depth_n_and_the_table_agrees_with_the_json(

@@ -188,11 +188,13 @@ def ls(args: argparse.Namespace) -> int:
         for r in rows
     ]
     print_table(["SIZE", "CACHED", "%", "MODIFIED", "NAME"], table, right_aligned=3)
-    prefixes = f", {total['prefixes']:,} prefixes" if total["prefixes"] else ""
-    print(
-        f"{total['objects']:,} objects{prefixes}: {size(total['size'])}, "
-        f"{size(total['cached_bytes'])} cached ({share(total['cached_bytes'], total['size'])})"
-    )
+    counts = counted(total["objects"], "object")
+    if total["prefixes"]:
+        counts += ", " + counted(total["prefixes"], "prefix", "prefixes")
+    cached = f"{size(total['cached_bytes'])} cached"
+    if total["size"]:
+        cached += f" ({share(total['cached_bytes'], total['size'])})"
+    print(f"{counts}: {size(total['size'])}, {cached}")
     return 0
 
 
@@ -286,6 +288,10 @@ def prefix_rows(node: Usage, url: str, depth: int) -> list[dict[str, Any]]:
 
 def size_formatter(exact: bool) -> Callable[[int], str]:
     return (lambda n: f"{n:,}") if exact else format_size
+
+
+def counted(n: int, one: str, many: str = "") -> str:
+    return f"{n:,} {one if n == 1 else many or one + 's'}"
 
 
 def share(part: int, whole: int) -> str:
