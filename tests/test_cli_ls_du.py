@@ -13,25 +13,27 @@ from helpers import pattern, sha256
 
 from pffs.backends.options import BackendOptions
 from pffs.backends.urls import open_backend
+from pffs.cache import BlockCache
+from pffs.cli.list_commands import share
 from pffs.cli.main import main
 from pffs.config import CacheSettings, format_size
 from pffs.testing.s3_server import SeaweedS3
 from pffs.vfs import Vfs
+from pffs.vfs.pieces import PIECE_SIZE
 
 pytestmark = [pytest.mark.s3, pytest.mark.timeout(120)]
 
-BLOCK = 64 * 1024
+BLOCK = 256 * 1024  # of four 64 KiB pieces, which random reads cache (pffs.vfs.pieces)
 # ds/a/f0 and ds/a/f1 (warmed), ds/a/deep/f2, ds/b/g (partly read), ds/top: sizes cut blocks unevenly.
 SIZES = {"a/f0": 3 * BLOCK + 500, "a/f1": BLOCK, "a/deep/f2": 10_000, "b/g": 4 * BLOCK + 7, "top": 1_000}
 
 
-def pffs(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    """The `pffs` command as a user runs it, in a subprocess."""
+def pffs(*args: str) -> subprocess.CompletedProcess[str]:
+    """The `pffs` command as a user runs it, in a subprocess (credentials from s3_env)."""
     return subprocess.run(
         [sys.executable, "-m", "pffs.cli.main", *args],
         capture_output=True,
         text=True,
-        env=env,
         timeout=60,
         stdin=subprocess.DEVNULL,
     )
@@ -53,7 +55,7 @@ def options(s3_server: SeaweedS3, s3_env: dict[str, str], tmp_path: Path) -> lis
         "--cache-dir",
         str(tmp_path / "c"),
         "--block-size",
-        "64K",
+        f"{BLOCK >> 10}K",
     ]
 
 
@@ -65,12 +67,17 @@ def ok(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def read_part(s3_server: SeaweedS3, cache_dir: Path, url: str, offset: int, length: int) -> bytes:
-    """A read of bytes [offset, offset+length) through pffs's reader (no read-ahead), left on disk."""
+    """The first read of a new handle, as a program's: [offset, offset+length), left on disk."""
     backend, path = open_backend(url, BackendOptions(endpoint_url=s3_server.endpoint_url))
-    vfs = Vfs(backend, CacheSettings(cache_dir=cache_dir, block_size=BLOCK))
-    data = vfs.reader.read(vfs.stat(path), offset, length)
-    vfs.cache.wait_for_disk()
-    vfs.cache.close()
+    cache = BlockCache(cache_dir, 1 << 30, 0)
+    try:
+        vfs = Vfs(backend, CacheSettings(cache_dir=cache_dir, block_size=BLOCK), cache)
+        handle = vfs.open(path)
+        data = handle.read(offset, length)
+        handle.close()
+        cache.wait_for_disk()
+    finally:
+        cache.close()
     return data
 
 
@@ -79,9 +86,10 @@ def test_cached_bytes_are_exactly_what_was_warmed_and_read(
 ) -> None:
     url = f"s3://{bucket}/ds"
     ok("warmup", f"{url}/a", *options)
-    # One block and 1,000 bytes of the next: the cache holds those two blocks whole, of the object's five.
-    data = read_part(s3_server, tmp_path / "c", f"{url}/b/g", 0, BLOCK + 1_000)
-    assert sha256(data) == sha256(dataset["b/g"][: BLOCK + 1_000])
+    # A random read of block 1 and the first 1,000 bytes of block 2: the cache holds block 1 and the
+    # 64 KiB piece those bytes are in, of the object's five blocks.
+    data = read_part(s3_server, tmp_path / "c", f"{url}/b/g", BLOCK, BLOCK + 1_000)
+    assert sha256(data) == sha256(dataset["b/g"][BLOCK : 2 * BLOCK + 1_000])
 
     listing = json.loads(ok("ls", "-r", "--json", url, *options).stdout)
     got = {e["name"]: (e["size"], e["cached_bytes"]) for e in listing["entries"]}
@@ -89,21 +97,24 @@ def test_cached_bytes_are_exactly_what_was_warmed_and_read(
         "a/f0": (SIZES["a/f0"], SIZES["a/f0"]),
         "a/f1": (SIZES["a/f1"], SIZES["a/f1"]),
         "a/deep/f2": (SIZES["a/deep/f2"], SIZES["a/deep/f2"]),
-        "b/g": (SIZES["b/g"], 2 * BLOCK),
+        "b/g": (SIZES["b/g"], BLOCK + PIECE_SIZE),
         "top": (SIZES["top"], 0),
     }
     assert {e["url"] for e in listing["entries"]} == {f"{url}/{name}" for name in SIZES}
     assert all(e["type"] == "file" and e["modified"].endswith("Z") for e in listing["entries"])
 
-    # The table says the same: warmed objects 100%, the partly read one 2 of its 5 blocks (rounded down).
+    # The table says the same: warmed objects 100%, the partly read one its share rounded down.
     table = ok("ls", "-r", "--bytes", url, *options).stdout.splitlines()
     assert table[0].split() == ["SIZE", "CACHED", "%", "MODIFIED", "NAME"]
     rows = {line.split()[-1]: line.split()[:3] for line in table[1:-1]}
     assert rows["a/f0"] == [f"{SIZES['a/f0']:,}", f"{SIZES['a/f0']:,}", "100%"]
-    assert rows["b/g"] == [f"{SIZES['b/g']:,}", f"{2 * BLOCK:,}", "49.9%"]
+    assert rows["b/g"] == [f"{SIZES['b/g']:,}", f"{BLOCK + PIECE_SIZE:,}", "31.2%"]  # 31.249..%
     assert rows["top"] == [f"{SIZES['top']:,}", "0", "0.0%"]
     assert len({len(line) - len(line.split()[-1]) for line in table[:-1]}) == 1  # NAME lines up
-    total, cached = sum(SIZES.values()), sum(SIZES[n] for n in SIZES if n.startswith("a/")) + 2 * BLOCK
+    total, cached = (
+        sum(SIZES.values()),
+        sum(SIZES[n] for n in SIZES if n.startswith("a/")) + BLOCK + PIECE_SIZE,
+    )
     assert table[-1] == f"5 objects: {total:,}, {cached:,} cached ({cached * 1000 // total / 10:.1f}%)"
 
     # One level: objects, and prefixes as folders without sizes.
@@ -247,3 +258,13 @@ def test_help_explains_with_examples(capsys: pytest.CaptureFixture[str]) -> None
             main(args)
         text = capsys.readouterr().out
         assert exited.value.code == 0 and all(word in text for word in words), text
+
+
+def test_the_cached_share_is_rounded_down_so_only_all_shows_100() -> None:
+    assert [share(*pair) for pair in [(10, 10), (999_999, 1_000_000), (1, 10**6), (0, 5), (0, 0)]] == [
+        "100%",
+        "99.9%",
+        "<0.1%",
+        "0.0%",
+        "-",
+    ]
