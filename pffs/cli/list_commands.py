@@ -228,10 +228,17 @@ def entry_row(listing: Listing, info: ObjectInfo, single: bool) -> dict[str, Any
 
 @dataclass
 class Usage:
+    """What is under one prefix, and under each of its prefixes (as far down as asked)."""
+
     objects: int = 0
     size: int = 0
     cached_bytes: int = 0
     children: dict[str, Usage] = field(default_factory=dict)
+
+    def add(self, size: int, cached_bytes: int) -> None:
+        self.objects += 1
+        self.size += size
+        self.cached_bytes += cached_bytes
 
 
 def du(args: argparse.Namespace) -> int:
@@ -239,16 +246,14 @@ def du(args: argparse.Namespace) -> int:
     with open_listing(args.url, args) as listing:
         for info in listing.vfs.walk_files(listing.root):
             cached = listing.cached_bytes(info)
-            parts = listing.relative(info.path).split("/")[:-1]  # the prefixes the object is under
             node = tree
-            for part in [None, *parts[: args.max_depth]]:
-                if part is not None:
-                    node = node.children.setdefault(part, Usage())
-                node.objects += 1
-                node.size += info.size
-                node.cached_bytes += cached
+            node.add(info.size, cached)
+            prefixes = listing.relative(info.path).split("/")[:-1]
+            for name in prefixes[: args.max_depth]:
+                node = node.children.setdefault(name, Usage())
+                node.add(info.size, cached)
+        base = listing.vfs.backend.url(listing.root)
     listing.note_missing_cache()
-    base = args.url.rstrip("/")
     rows = [{"url": base, "depth": 0, **totals(tree)}]
     rows[:0] = prefix_rows(tree, base, 1)
     if args.json:
@@ -277,8 +282,8 @@ def prefix_rows(node: Usage, url: str, depth: int) -> list[dict[str, Any]]:
     """A row per prefix below node, each followed by its own prefixes, by name."""
     rows: list[dict[str, Any]] = []
     for name, child in sorted(node.children.items()):
-        child_url = f"{url}/{name}"
-        rows.append({"url": child_url + "/", "depth": depth, **totals(child)})
+        child_url = url + ("" if url.endswith("/") else "/") + name + "/"
+        rows.append({"url": child_url, "depth": depth, **totals(child)})
         rows.extend(prefix_rows(child, child_url, depth + 1))
     return rows
 
