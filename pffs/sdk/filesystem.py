@@ -158,6 +158,24 @@ class PffsFileSystem(ChainedFileSystem):
         finally:
             self.vfs.invalidate(full)
 
+    def put_file(
+        self, lpath: str, rpath: str, callback: Any = None, mode: str = "overwrite", **kwargs: Any
+    ) -> None:
+        """Uploads a local file in one piece (multipart for large ones, completed only once all is sent), so
+        a failed upload leaves whatever was at `rpath` whole (fsspec's default writes through an open file,
+        whose close on an error would publish part of it)."""
+        full = self._full(rpath)
+        try:
+            self.vfs.backend.upload(lpath, full)
+        finally:
+            self.vfs.invalidate(full)
+
+    def invalidate_cache(self, path: str | None = None) -> None:
+        """Forgets pffs's metadata of `path`: its next open stats it again, so sees another writer's version
+        (cached blocks stay, keyed by their version). Without a path, nothing: metadata expires by its TTL."""
+        if path is not None:
+            self.vfs.invalidate(self._full(path))
+
     def rm_file(self, path: str) -> None:
         full = self._full(path)
         try:
