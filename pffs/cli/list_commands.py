@@ -174,7 +174,7 @@ def ls(args: argparse.Namespace) -> int:
     listing.note_missing_cache()
     if args.json:
         report = {"url": args.url, "cache_dir": str(listing.cache_dir), "entries": rows, "total": total}
-        print(json.dumps(report))
+        print(json.dumps(report, indent=2))
         return 0
     size = size_formatter(args.bytes)
     table = [
@@ -257,7 +257,7 @@ def du(args: argparse.Namespace) -> int:
     rows = [{"url": base, "depth": 0, **totals(tree)}]
     rows[:0] = prefix_rows(tree, base, 1)
     if args.json:
-        print(json.dumps({"url": args.url, "cache_dir": str(listing.cache_dir), "prefixes": rows}))
+        print(json.dumps({"url": args.url, "cache_dir": str(listing.cache_dir), "prefixes": rows}, indent=2))
         return 0
     size = size_formatter(args.bytes)
     table = [
