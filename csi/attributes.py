@@ -75,6 +75,10 @@ class VolumeAttributes(BaseModel):
     backend_timeout: float | None = Field(None, alias="backendTimeout", gt=0, le=3600)
     read_only: bool = Field(False, alias="readOnly")
     prefetch_dirs: bool = Field(True, alias="prefetchDirs")
+    # Modes, owners and times stored with each object (chmod, chown, symlinks): off unless asked for, since
+    # a pod running as another user than the objects' owner would lose the write access it has with the
+    # fixed modes (and a file then costs a HEAD to show).
+    posix_metadata: bool = Field(False, alias="posixMetadata")
     uid: int | None = Field(None, alias="uid", ge=0, le=2**32 - 2)
     gid: int | None = Field(None, alias="gid", ge=0, le=2**32 - 2)
     file_mode: Mode | None = Field(None, alias="fileMode")
@@ -212,6 +216,7 @@ def mount_options(
         cache=cache,
         backend=backend_options(attributes, credentials),
         read_only=read_only or attributes.read_only,
+        fixed_modes=not attributes.posix_metadata,
         allow_other=True,  # pods run as any user
         prefetch_dirs=attributes.prefetch_dirs,
         log_file=log_file,

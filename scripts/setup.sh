@@ -6,7 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-APT_PACKAGES=(fuse3 libfuse3-dev pkg-config gcc python3-dev python3-venv fio s3fs containerd runc busybox-static
+APT_PACKAGES=(fuse3 libfuse3-dev pkg-config gcc python3-dev python3-venv fio s3fs rsync containerd runc busybox-static
     openjdk-17-jdk-headless maven)
 missing=()
 for pkg in "${APT_PACKAGES[@]}"; do

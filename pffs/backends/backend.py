@@ -8,6 +8,8 @@ PyTorch DataLoader worker, say) does not have, so a child makes its own on first
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
+import errno
 import hashlib
 import logging
 import os
@@ -24,6 +26,7 @@ from fsspec.asyn import AsyncFileSystem, sync
 from pffs.backends.deadline import timeout_left
 from pffs.backends.errors import BadOptionError, ObjectChangedError
 from pffs.backends.identity import identity_token, mtime_seconds
+from pffs.backends.posix_metadata import PosixAttributes
 from pffs.backends.request_stats import RequestStats
 from pffs.backends.retry import RetryPolicy, describe
 from pffs.backends.s3_native import NativeS3Getter, NotHandled, native_getter_for
@@ -44,6 +47,10 @@ class ObjectInfo:
     etag: str | None = None  # S3's raw ETag, for If-Match
     version_id: str | None = None
     mtime: float = 0.0  # seconds since the epoch; 0 where the backend has none (S3 prefixes)
+    # What the object's metadata says of its POSIX attributes; None where it was not read (a LIST carries
+    # no metadata) or the backend keeps none.
+    posix: PosixAttributes | None = None
+    content_type: str | None = None  # S3's, kept when the metadata is rewritten
 
     @property
     def cache_id(self) -> str:
@@ -155,15 +162,28 @@ class Backend:
 
     # Writes. Each drops what fsspec's own caches knew of the path; callers drop their own.
 
-    def upload(self, local_path: str, path: str) -> None:
+    # Backends that store POSIX attributes with an object (S3 user metadata) take `attributes` in the
+    # writes below and implement set_attributes; the others ignore them.
+    stores_posix_metadata = False
+
+    def upload(self, local_path: str, path: str, attributes: PosixAttributes | None = None) -> None:
         """Puts a local file at path (multipart where the backend does that for large files)."""
-        self._call("put", lambda: self.fs.put_file(local_path, path, **self._wait()), path)
+        extra = self._metadata_arguments(attributes)
+        self._call("put", lambda: self.fs.put_file(local_path, path, **extra, **self._wait()), path)
         self.invalidate(path)
 
-    def write_bytes(self, path: str, data: bytes) -> None:
-        """Puts a small object (a marker, a record) at path in one request."""
-        self._call("put", lambda: self.fs.pipe_file(path, data, **self._wait()), path)
+    def write_bytes(self, path: str, data: bytes, attributes: PosixAttributes | None = None) -> None:
+        """Puts a small object (a marker, a record, a symlink) at path in one request."""
+        extra = self._metadata_arguments(attributes)
+        self._call("put", lambda: self.fs.pipe_file(path, data, **extra, **self._wait()), path)
         self.invalidate(path)
+
+    def _metadata_arguments(self, attributes: PosixAttributes | None) -> dict[str, Any]:
+        return {}
+
+    def set_attributes(self, info: ObjectInfo, attributes: PosixAttributes) -> None:
+        """Stores new attributes with the version `info` names, its bytes untouched."""
+        raise OSError(errno.EPERM, f"{self.url(info.path)}: {self.protocol} stores no file attributes")
 
     def read_bytes(self, path: str) -> bytes:
         """The whole of a small object, in one request (FileNotFoundError if there is none)."""
@@ -179,7 +199,7 @@ class Backend:
         self.invalidate(source)
         self.invalidate(target)
 
-    def make_dir(self, path: str) -> None:
+    def make_dir(self, path: str, attributes: PosixAttributes | None = None) -> None:
         self._call("put", lambda: self.fs.makedirs(path, exist_ok=True, **self._wait()), path)
         self.invalidate(path)
 
@@ -374,11 +394,117 @@ class S3Backend(Backend):
     def key_of(self, path: str) -> str:
         return path.split("/", 1)[1] if "/" in path else ""
 
-    def make_dir(self, path: str) -> None:
-        """Nothing to create: the VFS keeps a new directory until a file is written under it."""
+    stores_posix_metadata = True
+
+    def _s3(self, method: str, **request: Any) -> Any:
+        """One call of the S3 API through s3fs's client, bounded by the deadline."""
+        fs: Any = self.fs
+
+        async def call() -> Any:
+            return await fs._call_s3(method, fs.kwargs, **request)
+
+        return sync(fs.loop, call, timeout=timeout_left(BLOCKING_CALL_LIMIT_S))
+
+    def stat(self, path: str) -> ObjectInfo:
+        """One HEAD, which also reads the object's POSIX attributes; a prefix is recognised by one LIST
+        (its marker object `name/`, where there is one, is HEADed for its attributes)."""
+        fs: Any = self.fs
+        bucket, key, _ = fs.split_path(path)
+        if not key:  # a bucket: no attributes of its own
+            return dataclasses.replace(super().stat(path), posix=PosixAttributes())
+        try:
+            head = self._call("head", lambda: self._s3("head_object", Bucket=bucket, Key=key), path)
+            return self._head_info(path, head, is_dir=False)
+        except FileNotFoundError:
+            pass
+        prefix = key.rstrip("/") + "/"
+        listed = self._call(
+            "list",
+            lambda: self._s3("list_objects_v2", Bucket=bucket, Prefix=prefix, Delimiter="/", MaxKeys=1),
+            path,
+        )
+        first = listed.get("Contents") or []
+        if not first and not listed.get("CommonPrefixes"):
+            raise FileNotFoundError(errno.ENOENT, f"{self.url(path)}: no such file or object")
+        if first and first[0].get("Key") == prefix:
+            try:
+                marker = self._call("head", lambda: self._s3("head_object", Bucket=bucket, Key=prefix), path)
+                return self._head_info(path, marker, is_dir=True)
+            except FileNotFoundError:  # deleted since the LIST: still a prefix if anything is under it
+                pass
+        return ObjectInfo(path=path, size=0, is_dir=True, identity="dir", posix=PosixAttributes())
+
+    def _head_info(self, path: str, head: dict[str, Any], *, is_dir: bool) -> ObjectInfo:
+        posix = PosixAttributes.from_metadata(head.get("Metadata") or {})
+        if is_dir:
+            return ObjectInfo(path=path, size=0, is_dir=True, identity="dir", posix=posix)
+        raw = {
+            "name": path,
+            "size": head.get("ContentLength", 0),
+            "type": "file",
+            "ETag": head.get("ETag"),
+            "VersionId": head.get("VersionId"),
+            "LastModified": head.get("LastModified"),
+        }
+        return dataclasses.replace(self._to_info(raw), posix=posix, content_type=head.get("ContentType"))
+
+    def _metadata_arguments(self, attributes: PosixAttributes | None) -> dict[str, Any]:
+        return {} if attributes is None else {"Metadata": attributes.to_metadata()}
+
+    def set_attributes(self, info: ObjectInfo, attributes: PosixAttributes) -> None:
+        """A CopyObject of the object onto itself with new metadata (MetadataDirective=REPLACE), pinned to
+        the version `info` names (CopySourceIfMatch, or its version id): ObjectChangedError if it changed.
+        The bytes are not sent again; a single-part object keeps its ETag (so its cached blocks stay valid;
+        a store that gives the copy a new ETag gets new cache keys, never wrong bytes)."""
+        fs: Any = self.fs
+        bucket, key, _ = fs.split_path(info.path)
+        source: dict[str, str] = {"Bucket": bucket, "Key": key}
+        request: dict[str, Any] = {
+            "Bucket": bucket,
+            "Key": key,
+            "CopySource": source,
+            "MetadataDirective": "REPLACE",
+            "Metadata": attributes.to_metadata(),
+        }
+        if info.version_id:
+            source["VersionId"] = info.version_id
+        elif info.etag:
+            request["CopySourceIfMatch"] = info.etag
+        if info.content_type:
+            request["ContentType"] = info.content_type
+
+        def copy() -> None:
+            try:
+                self._s3("copy_object", **request)
+            except OSError as exc:
+                if _s3_error_code(exc) == "PreconditionFailed":
+                    raise ObjectChangedError(self.url(info.path)) from exc
+                raise
+
+        self._call("copy", copy, info.path)
+        self.invalidate(info.path)
+
+    def make_dir(self, path: str, attributes: PosixAttributes | None = None) -> None:
+        """Without attributes, nothing to create: the VFS keeps a new directory until a file is written under
+        it. With them, a marker object `name/` holding them, as s3fs-fuse makes (an empty directory then
+        stays; SeaweedFS keeps the marker but drops its metadata)."""
+        if attributes is None:
+            return
+        fs: Any = self.fs
+        bucket, key, _ = fs.split_path(path)
+        request = {"Bucket": bucket, "Key": key.rstrip("/") + "/", "Body": b""}
+        request["ContentType"] = "application/x-directory"
+        self._call("put", lambda: self._s3("put_object", Metadata=attributes.to_metadata(), **request), path)
+        self.invalidate(path)
 
     def remove_dir(self, path: str) -> None:
-        """Nothing to remove: an empty prefix does not exist on S3 (s3fs.rmdir would delete a bucket)."""
+        """Deletes the directory's marker object `name/`, if it has one (the caller checked it is empty):
+        an empty prefix does not exist on S3 otherwise (s3fs.rmdir would delete a bucket)."""
+        fs: Any = self.fs
+        bucket, key, _ = fs.split_path(path)
+        if key:
+            marker = key.rstrip("/") + "/"
+            self._call("delete", lambda: self._s3("delete_object", Bucket=bucket, Key=marker), path)
         self.invalidate(path)
 
 

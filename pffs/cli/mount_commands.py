@@ -58,12 +58,29 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
         help="seconds a directory listing or a stat from the backend is trusted (default 60; "
         "same as --metadata-ttl)",
     )
-    p.add_argument("--read-only", action="store_true", help="refuse every change (EROFS)")
+    p.add_argument(
+        "--read-only",
+        action="store_true",
+        help="refuse every change (EROFS); shows the fixed owner and modes below, as --fixed-modes",
+    )
+    p.add_argument(
+        "--fixed-modes",
+        action="store_true",
+        help="show the owner and modes below for every file instead of those stored with each object "
+        "(S3: modes, owners and times kept as s3fs-fuse keeps them, read with one HEAD per file); no "
+        "chmod, chown, symlinks or FIFOs. For read-only datasets: listings alone show them",
+    )
     p.add_argument("--allow-other", action="store_true", help="let other users see the mount")
-    p.add_argument("--uid", type=int, help="owner of every file (default: the mounting user)")
-    p.add_argument("--gid", type=int, help="group of every file (default: the mounting user's)")
-    p.add_argument("--file-mode", default="644", help="permission bits of files, octal (default 644)")
-    p.add_argument("--dir-mode", default="755", help="permission bits of directories, octal (default 755)")
+    p.add_argument(
+        "--uid", type=int, help="owner of files that have none stored (default: the mounting user)"
+    )
+    p.add_argument("--gid", type=int, help="group of files that have none stored (default: the user's)")
+    p.add_argument(
+        "--file-mode", default="644", help="permission bits of files that have none stored, octal (644)"
+    )
+    p.add_argument(
+        "--dir-mode", default="755", help="permission bits of directories that have none stored (755)"
+    )
     p.add_argument(
         "--no-prefetch-dirs",
         dest="prefetch_dirs",
@@ -112,6 +129,7 @@ def mount_options(args: argparse.Namespace) -> MountOptions:
             backend=backend_options(args),
             attr_ttl=args.attr_ttl,
             read_only=args.read_only,
+            fixed_modes=args.fixed_modes,
             allow_other=args.allow_other,
             uid=args.uid,
             gid=args.gid,

@@ -52,11 +52,12 @@ def serve(options: MountOptions, ready: Callable[[], None]) -> int:
                 left["url"],
                 left["data"],
             )
-        namespace = Namespace(vfs, staging, negative_ttl_s=options.attr_ttl)
+        posix = keeps_posix_attributes(options, backend.stores_posix_metadata)
+        namespace = Namespace(vfs, staging, negative_ttl_s=options.attr_ttl, posix=posix)
         operations = Operations(namespace, root, options)
         stack.callback(operations.close)
 
-        pyfuse3.init(operations, str(options.mountpoint), fuse_options(options))
+        pyfuse3.init(operations, str(options.mountpoint), fuse_options(options, posix))
         stack.callback(pyfuse3.close, unmount=True)
         if options.metrics_port:
             start_metrics_server(operations.report, options.metrics_address, options.metrics_port)
@@ -112,9 +113,18 @@ MEMORY_OVERHEAD_BYTES = 320 << 20
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -3, -8
 
 
-def fuse_options(options: MountOptions) -> set[str]:
+def keeps_posix_attributes(options: MountOptions, backend_can: bool) -> bool:
+    """Modes, owners and times stored with each object (chmod, chown, utimens, symlinks, FIFOs): on for a
+    read-write mount of a backend that can store them, unless --fixed-modes (or --read-only) keeps the
+    mount's fixed ones, which need no HEAD per file."""
+    return backend_can and not options.read_only and not options.fixed_modes
+
+
+def fuse_options(options: MountOptions, posix: bool = False) -> set[str]:
     fsname = options.source.replace(",", "_")
     chosen = set(pyfuse3.default_options) | {f"fsname={fsname}", "subtype=pffs", "noatime"}
+    if posix:
+        chosen.add("default_permissions")  # the kernel checks access against the stored modes
     if options.read_only:
         chosen.add("ro")
     if options.allow_other:

@@ -26,6 +26,7 @@ import trio
 
 from pffs.backends.backend import ObjectInfo
 from pffs.backends.errors import ObjectChangedError
+from pffs.backends.posix_metadata import PosixAttributes
 from pffs.backends.retry import describe
 from pffs.fuse.options import MountOptions
 from pffs.fuse.workers import WorkerThreads
@@ -42,6 +43,7 @@ T = TypeVar("T")
 XATTR_PREFIX = "user.pffs."
 NOMINAL_CAPACITY = 1 << 50  # the backend has no size: report 1 PiB
 STATFS_BLOCK = 4096
+SPECIAL_FILE_TYPES = (stat.S_IFREG, stat.S_IFIFO, stat.S_IFCHR, stat.S_IFBLK, stat.S_IFSOCK)
 # Reads that wait for the disk or the backend, at once. More threads fight more for the GIL: 8 keep the
 # disk and the network busy for 8 parallel readers of small files.
 READ_THREADS = 8
@@ -126,25 +128,73 @@ class Operations(pyfuse3.Operations):
     # Attributes
 
     def attributes(self, inode: int, info: ObjectInfo) -> pyfuse3.EntryAttributes:
+        """What the kernel is told of an entry: its stored POSIX attributes where the mount keeps them,
+        the mount's own (--uid/--gid/--file-mode/--dir-mode, the object's time) for what they leave out."""
+        posix = self._posix_of(info) or PosixAttributes()
         attr = pyfuse3.EntryAttributes()
         attr.st_ino = inode
         attr.generation = 1
         attr.entry_timeout = self.options.attr_ttl
         attr.attr_timeout = self.options.attr_ttl
-        if info.is_dir:
-            attr.st_mode = stat.S_IFDIR | self.options.dir_mode
-            attr.st_nlink = 2
-        else:
-            attr.st_mode = stat.S_IFREG | self.options.file_mode
-            attr.st_nlink = 1
-        attr.st_uid = self.uid
-        attr.st_gid = self.gid
+        attr.st_mode = self._mode(info, posix.mode)
+        attr.st_nlink = 2 if info.is_dir else 1
+        attr.st_uid = self.uid if posix.uid is None else posix.uid
+        attr.st_gid = self.gid if posix.gid is None else posix.gid
+        attr.st_rdev = posix.rdev or 0
         attr.st_size = info.size
         attr.st_blksize = 128 << 10  # what the kernel asks per read; `cp` sizes its buffer from it
         attr.st_blocks = -(-info.size // 512)
-        mtime_ns = self._mtime_set.get(info.path) or int(info.mtime * 1e9) or self._mounted_ns
-        attr.st_mtime_ns = attr.st_ctime_ns = attr.st_atime_ns = mtime_ns
+        mtime_ns = (
+            posix.mtime_ns or self._mtime_set.get(info.path) or int(info.mtime * 1e9) or self._mounted_ns
+        )
+        attr.st_mtime_ns = mtime_ns
+        attr.st_ctime_ns = posix.ctime_ns or mtime_ns
+        attr.st_atime_ns = posix.atime_ns or mtime_ns
         return attr
+
+    def _posix_of(self, info: ObjectInfo) -> PosixAttributes | None:
+        if not self.ns.posix:
+            return None
+        if info.is_dir:
+            return self.ns.dir_attributes.get(info.path) or info.posix
+        return info.posix
+
+    def _mode(self, info: ObjectInfo, stored: int | None) -> int:
+        """The stored mode, its file type kept where it agrees with the entry (a directory is one; an object
+        is anything but one); the mount's mode where none is stored."""
+        if info.is_dir:
+            bits = self.options.dir_mode if stored is None else stat.S_IMODE(stored)
+            return stat.S_IFDIR | bits
+        if stored is None:
+            return stat.S_IFREG | self.options.file_mode
+        kind = stat.S_IFMT(stored)
+        return (kind if kind and kind != stat.S_IFDIR else stat.S_IFREG) | stat.S_IMODE(stored)
+
+    def _shown(self, inode: int, info: ObjectInfo) -> PosixAttributes:
+        """The attributes as the kernel sees them now (defaults filled in)."""
+        attr = self.attributes(inode, info)
+        return PosixAttributes(
+            mode=attr.st_mode,
+            uid=attr.st_uid,
+            gid=attr.st_gid,
+            rdev=attr.st_rdev or None,
+            mtime_ns=attr.st_mtime_ns,
+            ctime_ns=attr.st_ctime_ns,
+            atime_ns=attr.st_atime_ns,
+        )
+
+    async def _new_entry(self, parent_inode: int, mode: int, ctx: pyfuse3.RequestContext) -> PosixAttributes:
+        """Attributes of an entry made now by the caller: its mode (umask applied by the kernel), its
+        owner, and its group: the directory's own where the directory is set-group-ID (as POSIX file
+        systems do; a new directory inherits the bit too)."""
+        gid = ctx.gid
+        parent = self.attributes(parent_inode, await self._stat(self.inodes.path(parent_inode)))
+        if parent.st_mode & stat.S_ISGID:
+            gid = parent.st_gid
+            if stat.S_ISDIR(mode):
+                mode |= stat.S_ISGID
+        now = time.time_ns()
+        return PosixAttributes(mode=mode, uid=ctx.uid, gid=gid, mtime_ns=now, ctime_ns=now, atime_ns=now)
 
     def _negative(self) -> pyfuse3.EntryAttributes:
         attr = pyfuse3.EntryAttributes()
@@ -217,6 +267,8 @@ class Operations(pyfuse3.Operations):
     ) -> pyfuse3.EntryAttributes:
         path = self.inodes.path(inode)
         info = await self._stat(path)
+        if self.ns.posix:
+            return await self._set_posix_attributes(inode, path, info, attr, fields, fh)
         if (fields.update_uid and attr.st_uid != self.uid) or (fields.update_gid and attr.st_gid != self.gid):
             raise OSError(errno.EPERM, f"{path}: owners are set by the mount (--uid/--gid)")
         if fields.update_mode:
@@ -234,6 +286,38 @@ class Operations(pyfuse3.Operations):
                 self._mtime_set[path] = attr.st_mtime_ns
         return self.attributes(inode, await self._stat(path))
 
+    async def _set_posix_attributes(
+        self,
+        inode: int,
+        path: str,
+        info: ObjectInfo,
+        attr: pyfuse3.EntryAttributes,
+        fields: pyfuse3.SetattrFields,
+        fh: int | None,
+    ) -> pyfuse3.EntryAttributes:
+        """chmod, chown, utimens and truncate where the mount stores attributes. Who may do which the
+        kernel has checked (default_permissions) against the attributes shown."""
+        self._check_writable()
+        if fields.update_size:
+            await self._truncate(path, attr.st_size, self.files.get(fh) if fh is not None else None)
+            info = await self._stat(path)
+        change: dict[str, int] = {}
+        if fields.update_mode:
+            shown_kind = stat.S_IFMT(self.attributes(inode, info).st_mode)
+            change["mode"] = shown_kind | stat.S_IMODE(attr.st_mode)
+        if fields.update_uid:
+            change["uid"] = attr.st_uid
+        if fields.update_gid:
+            change["gid"] = attr.st_gid
+        if fields.update_mtime:
+            change["mtime_ns"] = attr.st_mtime_ns
+        if fields.update_atime:
+            change["atime_ns"] = attr.st_atime_ns
+        if change:
+            shown = self._shown(inode, info)
+            await self._backend(self.ns.set_attributes, path, change, shown)
+        return self.attributes(inode, await self._stat(path))
+
     async def _truncate(self, path: str, size: int, handle: FileHandle | None) -> None:
         if handle is not None and handle.writable:
             (await self._staged(handle)).truncate(size)
@@ -247,10 +331,22 @@ class Operations(pyfuse3.Operations):
         self.ns.forget(path)
 
     def _open_staged(self, path: str, empty: bool) -> StagedFile:
-        """The staged copy of path: empty, or filled with the stored bytes (read through the cache)."""
-        if empty:
-            return self.staging.open(path, None)
+        """The staged copy of path: emptied (O_TRUNC: the stored bytes go at the next upload, even if
+        nothing is written), or filled with the stored bytes (read through the cache). Where the mount
+        keeps attributes, the upload carries the object's."""
         info = self.ns.stat(path)
+        if empty:
+            staged = self.staging.open(path, None)
+            with staged.lock:
+                staged.truncate(0)
+        else:
+            staged = self._open_filled(info)
+        if self.ns.posix and staged.attributes is None:
+            staged.attributes = info.posix or PosixAttributes()
+        return staged
+
+    def _open_filled(self, info: ObjectInfo) -> StagedFile:
+        path = info.path
 
         def fill(fd: int) -> None:
             handle = self.vfs.open_version(info)
@@ -273,9 +369,30 @@ class Operations(pyfuse3.Operations):
         children = self.ns.children_now(path)
         if children is None:
             children = await self._backend(self.ns.children, path)
+        if self.ns.posix:
+            children = await self._with_attributes(path, children)
         fh = next(self._handles)
         self.dirs[fh] = (path, sorted(children.items()))  # a snapshot: readdir resumes by position
         return fh
+
+    async def _with_attributes(self, path: str, children: dict[str, ObjectInfo]) -> dict[str, ObjectInfo]:
+        """The entries, each with its attributes: a listed entry has none (a LIST carries no metadata) and
+        is HEADed, in parallel. The kernel takes each entry's type from readdir: it must be the real one."""
+        missing = [name for name, info in children.items() if not self.ns.complete(info)]
+        if not missing:
+            return children
+        completed = dict(children)
+
+        async def fetch(name: str) -> None:
+            try:
+                completed[name] = await self._backend(self.ns.stat, self.ns.join(path, name))
+            except FileNotFoundError:  # gone since the listing
+                completed.pop(name, None)
+
+        async with trio.open_nursery() as nursery:
+            for name in missing:
+                nursery.start_soon(fetch, name)
+        return completed
 
     @fuse_errors
     async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
@@ -298,7 +415,8 @@ class Operations(pyfuse3.Operations):
     ) -> pyfuse3.EntryAttributes:
         self._check_writable()
         path = self._child(parent_inode, name)
-        info = await self._backend(self.ns.mkdir, path)
+        made = await self._new_entry(parent_inode, stat.S_IFDIR | mode, ctx) if self.ns.posix else None
+        info = await self._backend(self.ns.mkdir, path, made)
         return self.attributes(self.inodes.remember(path), info)
 
     @fuse_errors
@@ -345,13 +463,35 @@ class Operations(pyfuse3.Operations):
     async def symlink(
         self, parent_inode: int, name: bytes, target: bytes, ctx: pyfuse3.RequestContext
     ) -> pyfuse3.EntryAttributes:
-        raise OSError(errno.ENOTSUP, "symbolic links are not supported")
+        if not self.ns.posix:
+            raise OSError(errno.ENOTSUP, "symbolic links need a mount that keeps file attributes")
+        self._check_writable()
+        path = self._child(parent_inode, name)
+        made = await self._new_entry(parent_inode, stat.S_IFLNK | 0o777, ctx)
+        info = await self._backend(self.ns.make_special, path, made, target)
+        return self.attributes(self.inodes.remember(path), info)
+
+    @fuse_errors
+    async def readlink(self, inode: int, ctx: pyfuse3.RequestContext) -> bytes:
+        return await self._backend(self.ns.read_link, self.inodes.path(inode))
 
     @fuse_errors
     async def mknod(
         self, parent_inode: int, name: bytes, mode: int, rdev: int, ctx: pyfuse3.RequestContext
     ) -> pyfuse3.EntryAttributes:
-        raise OSError(errno.ENOTSUP, "only regular files and directories are supported")
+        """FIFOs, device files and sockets: empty objects whose stored mode (and rdev) say what they are;
+        the kernel serves their opens itself. An empty regular file, too."""
+        if not self.ns.posix:
+            raise OSError(errno.ENOTSUP, "only regular files and directories are supported")
+        self._check_writable()
+        if stat.S_IFMT(mode) not in SPECIAL_FILE_TYPES:
+            raise OSError(errno.EINVAL, f"mknod of an unknown file type {stat.S_IFMT(mode):o}")
+        path = self._child(parent_inode, name)
+        made = await self._new_entry(parent_inode, mode, ctx)
+        if rdev and (stat.S_ISCHR(mode) or stat.S_ISBLK(mode)):
+            made = made.replace(rdev=rdev)
+        info = await self._backend(self.ns.make_special, path, made, b"")
+        return self.attributes(self.inodes.remember(path), info)
 
     # Files
 
@@ -387,7 +527,14 @@ class Operations(pyfuse3.Operations):
     ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
         self._check_writable()
         path = self._child(parent_inode, name)
+        made = (
+            await self._new_entry(parent_inode, stat.S_IFREG | stat.S_IMODE(mode), ctx)
+            if self.ns.posix
+            else None
+        )
         staged = await self._backend(self.staging.create, path)
+        if made is not None:
+            staged.attributes = made
         self.ns.forget(path)
         fh = next(self._handles)
         self.files[fh] = FileHandle(path, staged=staged, writable=True)

@@ -37,6 +37,11 @@ class MountOptions(BaseModel):
     backend: BackendOptions = Field(default_factory=BackendOptions)
     attr_ttl: float = Field(1.0, ge=0, le=86400, description="seconds the kernel trusts attributes and names")
     read_only: bool = False
+    fixed_modes: bool = Field(
+        False,
+        description="show --uid/--gid/--file-mode/--dir-mode for everything instead of the attributes "
+        "stored with each object (no HEAD per file; chmod and chown refused)",
+    )
     allow_other: bool = False
     uid: int | None = Field(None, ge=0, description="owner shown for every file (default: the mounting user)")
     gid: int | None = Field(None, ge=0)

@@ -4,16 +4,24 @@ object yet (object stores have no empty directories) and files being written her
 Lookups are answered from a cached listing of the parent when there is one (no request at all); else one
 HEAD; and once a directory has needed several HEADs within the metadata TTL, it is listed once (one LIST
 gives names, sizes and ETags of everything in it), which turns a walk over many files into a few LISTs.
+
+Where the mount keeps POSIX attributes (`posix`: modes, owners and times stored with each object, see
+pffs.backends.posix_metadata), a LIST is not enough to show an entry, since it carries no metadata: such
+an entry is HEADed once (then trusted for the metadata TTL like any stat).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import posixpath
+import stat
 import threading
 import time
 
 from pffs.backends.backend import ObjectInfo
+from pffs.backends.errors import ObjectChangedError
+from pffs.backends.posix_metadata import PosixAttributes
 from pffs.vfs.staging import StagedFile, Staging
 from pffs.vfs.vfs import Vfs
 
@@ -39,15 +47,20 @@ def staged_info(staged: StagedFile) -> ObjectInfo:
         is_dir=False,
         identity=f"staged:{staged.data_path.name}",
         mtime=mtime_ns / 1e9,
+        posix=staged.stored_attributes(),
     )
 
 
 class Namespace:
-    def __init__(self, vfs: Vfs, staging: Staging, negative_ttl_s: float) -> None:
+    def __init__(self, vfs: Vfs, staging: Staging, negative_ttl_s: float, *, posix: bool = False) -> None:
         self.vfs = vfs
         self.staging = staging
         self.negative_ttl_s = negative_ttl_s
+        self.posix = posix
         self.new_dirs: set[str] = set()  # changed from worker threads: iterate over a copy
+        # Attributes of directories set through this mount. They are stored on the directory's marker
+        # object too, but some stores (SeaweedFS) drop a marker's metadata: this mount still shows them.
+        self.dir_attributes: dict[str, PosixAttributes] = {}
         self._lock = threading.Lock()
         self._missing: dict[str, float] = {}  # path -> until when it is known not to exist
         self._heads: dict[str, tuple[float, int]] = {}  # directory -> (window end, HEADs in it)
@@ -66,12 +79,21 @@ class Namespace:
             return staged_info(staged)
         return directory_info(path) if path in self.new_dirs else None
 
+    def complete(self, info: ObjectInfo) -> bool:
+        """True if `info` shows all the mount shows of the entry (a listed one lacks its attributes)."""
+        return not self.posix or info.posix is not None
+
+    def _cached(self, path: str) -> ObjectInfo | None:
+        info = self.vfs.metadata.get(path)
+        return info if info is not None and self.complete(info) else None
+
     def stat_now(self, path: str) -> ObjectInfo | Unknown:
-        return self._made_here(path) or self.vfs.metadata.get(path) or UNKNOWN
+        return self._made_here(path) or self._cached(path) or UNKNOWN
 
     def stat(self, path: str) -> ObjectInfo:
         info = self.stat_now(path)
-        return self.vfs.stat(path) if isinstance(info, Unknown) else info
+        # A cached entry that lacks its attributes (from a LIST) is asked for again: one HEAD.
+        return self.vfs.stat(path, fresh=self.posix) if isinstance(info, Unknown) else info
 
     def lookup_now(self, parent: str, name: str) -> ObjectInfo | Unknown | None:
         path = self.join(parent, name)
@@ -80,10 +102,13 @@ class Namespace:
             return local
         listed = self._listed_names(parent)
         if listed is not None:
-            return listed.get(name)
+            found = listed.get(name)
+            if found is None or self.complete(found):
+                return found
+            return self._cached(path) or UNKNOWN
         if self._known_missing(path):
             return None
-        return self.vfs.metadata.get(path) or UNKNOWN
+        return self._cached(path) or UNKNOWN
 
     def lookup(self, parent: str, name: str) -> ObjectInfo | None:
         """The entry `name` in directory `parent`, or None if there is none."""
@@ -92,9 +117,11 @@ class Namespace:
             return known
         path = self.join(parent, name)
         if self._count_head(parent):
-            return self.children(parent).get(name)
+            found = self.children(parent).get(name)
+            if found is None or self.complete(found):
+                return found
         try:
-            return self.vfs.stat(path)
+            return self.vfs.stat(path, fresh=self.posix)
         except FileNotFoundError:
             self._remember_missing(path)
             return None
@@ -180,14 +207,56 @@ class Namespace:
 
     # Changing the tree
 
-    def mkdir(self, path: str) -> ObjectInfo:
+    def mkdir(self, path: str, attributes: PosixAttributes | None = None) -> ObjectInfo:
+        """A new directory; with attributes (a mount that keeps them), a marker object holding them."""
         if self.lookup(posixpath.dirname(path), posixpath.basename(path)) is not None:
             raise FileExistsError(errno.EEXIST, f"{self.vfs.backend.url(path)} exists")
-        self.vfs.backend.make_dir(path)
+        self.vfs.backend.make_dir(path, attributes)
+        if attributes is not None:
+            self.dir_attributes[path] = attributes
         if not self.vfs.backend.has_real_directories:
             self.new_dirs.add(path)
         self.forget(path)
-        return directory_info(path)
+        return dataclasses.replace(directory_info(path), posix=attributes)
+
+    def make_special(self, path: str, attributes: PosixAttributes, content: bytes = b"") -> ObjectInfo:
+        """A symlink (content: its target), a FIFO or a device file: an object whose mode says which."""
+        if self.lookup(posixpath.dirname(path), posixpath.basename(path)) is not None:
+            raise FileExistsError(errno.EEXIST, f"{self.vfs.backend.url(path)} exists")
+        self.vfs.backend.write_bytes(path, content, attributes)
+        self.forget(path)
+        return self.stat(path)
+
+    def read_link(self, path: str) -> bytes:
+        info = self.stat(path)
+        if info.posix is None or info.posix.mode is None or not stat.S_ISLNK(info.posix.mode):
+            raise OSError(errno.EINVAL, f"{self.vfs.backend.url(path)} is not a symbolic link")
+        return self.vfs.read(path)
+
+    def set_attributes(self, path: str, change: dict[str, int], shown: PosixAttributes) -> None:
+        """chmod, chown, utimens (`change`: PosixAttributes fields) of the entry at path, whose attributes as
+        shown now are `shown` (defaults filled in). A file being written carries them in its upload; a
+        directory's go on its marker object; a stored object's metadata is rewritten (bytes untouched)."""
+        changed = shown.replace(**change, ctime_ns=time.time_ns())
+        staged = self.staging.get(path)
+        if staged is not None and self.staging.set_attributes(staged, changed):
+            return
+        info = self.stat(path)
+        if info.is_dir:
+            self.dir_attributes[path] = changed
+            self.vfs.backend.make_dir(path, changed)
+            self.forget(path)
+            return
+        for attempt in range(2):  # the object changed since it was stat'ed: once more on its new version
+            try:
+                self.vfs.backend.set_attributes(info, changed)
+                break
+            except ObjectChangedError:
+                if attempt:
+                    raise
+                self.forget(path)
+                info = self.vfs.stat(path, fresh=True)
+        self.forget(path)
 
     def rmdir(self, path: str) -> None:
         self.forget(path)
@@ -195,6 +264,7 @@ class Namespace:
             raise OSError(errno.ENOTEMPTY, f"{self.vfs.backend.url(path)} is not empty")
         if path in self.new_dirs:
             self.new_dirs.discard(path)
+        self.dir_attributes.pop(path, None)
         self.vfs.backend.remove_dir(path)
         self.forget(path)
 
@@ -239,6 +309,13 @@ class Namespace:
         if old in self.new_dirs and not self.children(old):
             self.new_dirs.discard(old)
             self.new_dirs.add(new)
+            attributes = self.dir_attributes.pop(old, None)
+            if self.posix:  # its marker object moves too
+                attributes = attributes or PosixAttributes()
+                self.vfs.backend.make_dir(new, attributes)
+                self.vfs.backend.remove_dir(old)
+            if attributes is not None:
+                self.dir_attributes[new] = attributes
             return
         raise OSError(
             errno.EXDEV,

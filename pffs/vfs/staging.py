@@ -11,11 +11,13 @@ import json
 import logging
 import os
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
 
 from pffs.backends.backend import Backend
+from pffs.backends.posix_metadata import PosixAttributes
 from pffs.backends.retry import describe
 from pffs.processes import is_alive
 
@@ -37,7 +39,11 @@ class StagedFile:
         self.generation = 0
         self.uploaded_generation = 0
         self.removed = False  # unlinked while open: never uploaded
-        self.mtime_ns: int | None = None
+        self.mtime_ns: int | None = None  # the last write's, or what utimens set after it
+        self.ctime_ns: int | None = None
+        # Stored with the upload where the mount keeps POSIX attributes (None: it does not); its times
+        # are the ones above.
+        self.attributes: PosixAttributes | None = None
 
     @property
     def dirty(self) -> bool:
@@ -56,13 +62,32 @@ class StagedFile:
     def write(self, offset: int, data: bytes) -> int:
         self._record_intent()
         written = os.pwrite(self.fd, data, offset)
+        self.mtime_ns = self.ctime_ns = time.time_ns()
         self.generation += 1  # after the bytes are in the file: an upload that saw them may clear it
         return written
 
     def truncate(self, size: int) -> None:
         self._record_intent()
         os.ftruncate(self.fd, size)
+        self.mtime_ns = self.ctime_ns = time.time_ns()
         self.generation += 1
+
+    def set_attributes(self, attributes: PosixAttributes) -> None:
+        """chmod, chown or utimens of a file being written: carried by its (next) upload."""
+        self._record_intent()
+        self.attributes = attributes.replace(mtime_ns=None, ctime_ns=None)
+        if attributes.mtime_ns is not None:
+            self.mtime_ns = attributes.mtime_ns
+        self.ctime_ns = time.time_ns()
+        self.generation += 1
+
+    def stored_attributes(self) -> PosixAttributes | None:
+        """What the upload stores: the attributes with the file's times."""
+        if self.attributes is None:
+            return None
+        mtime = self.mtime_ns if self.mtime_ns is not None else time.time_ns()
+        atime = self.attributes.atime_ns if self.attributes.atime_ns is not None else mtime
+        return self.attributes.replace(mtime_ns=mtime, ctime_ns=self.ctime_ns or mtime, atime_ns=atime)
 
     def _record_intent(self) -> None:
         if not self.dirty:
@@ -136,7 +161,7 @@ class Staging:
                 return
             carried = staged.generation
             try:
-                self.backend.upload(str(staged.data_path), staged.path)
+                self.backend.upload(str(staged.data_path), staged.path, staged.stored_attributes())
             except Exception as exc:
                 self.upload_failures += 1
                 log.error(
@@ -167,6 +192,20 @@ class Staging:
                 if self._files.get(staged.path) is staged:
                     del self._files[staged.path]
                 staged.discard()
+
+    def set_attributes(self, staged: StagedFile, attributes: PosixAttributes) -> bool:
+        """New attributes for a file being written, uploaded with it. False if it was uploaded and dropped
+        meanwhile (the caller then changes the stored object's). Uploaded now if no handle is left open on
+        it (its last release may have uploaded it already)."""
+        with self._lock:
+            if self._files.get(staged.path) is not staged:
+                return False
+            with staged.lock:
+                staged.set_attributes(attributes)
+            closed = staged.opens == 0
+        if closed:
+            self.upload(staged)
+        return True
 
     def remove(self, path: str) -> None:
         """The path was unlinked: its staged data is never uploaded."""
