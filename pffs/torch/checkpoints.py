@@ -15,32 +15,44 @@ from typing import Any
 
 import torch
 
+from pffs.sdk.filesystem import PffsFileSystem
 from pffs.sdk.helpers import filesystem_for
+
+SLOWEST_UPLOAD_RATE = 10 << 20  # bytes per second a checkpoint upload is given time for
 
 
 def save(obj: Any, url: str, **options: Any) -> None:
     """`torch.save(obj)` to `url` (s3://..., pffs::s3://..., a path); options as `pffs.open` takes them."""
     fs, path = filesystem_for(url, **options)
-    if fs.vfs.backend.protocol == "file":
-        # Beside the target, then renamed over it: a local rename is atomic where a copy is not.
-        staging = Path(path).parent
-        staging.mkdir(parents=True, exist_ok=True)
-    else:
-        staging = Path(fs.vfs.settings.cache_dir) / "staging"  # the cache's disk, sized for large files
-        staging.mkdir(parents=True, exist_ok=True)
+    local = fs.vfs.backend.protocol == "file"
+    # A local target: beside it, then renamed over it (a rename is atomic where a copy is not); else on the
+    # cache's disk, sized for large files.
+    staging = Path(path).parent if local else Path(fs.vfs.settings.cache_dir) / "staging"
+    staging.mkdir(parents=True, exist_ok=True)
     staged = str(staging / f".checkpoint-{uuid.uuid4().hex}.tmp")
     fd = os.open(staged, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask's mode, as torch.save's
     try:
         with os.fdopen(fd, "wb") as f:
             torch.save(obj, f)
-        if fs.vfs.backend.protocol == "file":
+        if local:
             os.replace(staged, path)
-            fs.invalidate_cache(path)
         else:
-            fs.put_file(staged, path)
+            _uploader(fs, url, os.path.getsize(staged), options).put_file(staged, path)
+        fs.invalidate_cache(path)
     finally:
         if os.path.exists(staged):
             os.unlink(staged)
+
+
+def _uploader(fs: PffsFileSystem, url: str, size: int, options: dict[str, Any]) -> PffsFileSystem:
+    """A filesystem whose backend deadline (which bounds each call whole) gives an upload of `size` bytes
+    time for its size too: made for this upload alone (kept, every size would be another cached one)."""
+    deadline = fs.vfs.backend.retry.timeout_s
+    if deadline is None:
+        return fs
+    deadline += size / SLOWEST_UPLOAD_RATE
+    uploader, _ = filesystem_for(url, **{**options, "backend_timeout": deadline, "skip_instance_cache": True})
+    return uploader
 
 
 def load(url: str, *, map_location: Any = None, weights_only: bool | None = None, **options: Any) -> Any:
