@@ -254,8 +254,7 @@ def du(args: argparse.Namespace) -> int:
                 node.add(info.size, cached)
         base = listing.vfs.backend.url(listing.root)
     listing.note_missing_cache()
-    rows = [{"url": base, "depth": 0, **totals(tree)}]
-    rows[:0] = prefix_rows(tree, base, 1)
+    rows = [*prefix_rows(tree, base, 1), {"url": base, "depth": 0, **totals(tree)}]  # the whole last, as du
     if args.json:
         print(json.dumps({"url": args.url, "cache_dir": str(listing.cache_dir), "prefixes": rows}, indent=2))
         return 0
@@ -274,7 +273,7 @@ def du(args: argparse.Namespace) -> int:
     return 0
 
 
-def totals(usage: Usage) -> dict[str, int]:
+def totals(usage: Usage) -> dict[str, Any]:
     return {"objects": usage.objects, "size": usage.size, "cached_bytes": usage.cached_bytes}
 
 
