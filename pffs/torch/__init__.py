@@ -11,6 +11,11 @@ transform makes of it. Every process — each DataLoader worker, forked or spawn
 pffs filesystem and the one disk cache of the machine. `import pffs` does not import torch; this does.
 """
 
+try:
+    import torch  # noqa: F401
+except ImportError:
+    raise ImportError("pffs.torch needs PyTorch: pip install 'pffs[torch]'") from None
+
 from pffs.torch.checkpoints import load, save
 from pffs.torch.datasets import IterableDataset, MapDataset
 from pffs.torch.objects import PffsObject
