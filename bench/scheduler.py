@@ -1,11 +1,12 @@
 """Trace-replay benchmark of the placement policies on the Alibaba openb GPU traces (FGD paper's protocol).
 
 Every policy replays `default` and `gpushare100` over seeds 42-51 (the paper's), and pffs, FGD and best-fit
-replay every other trace in the folder too, to show that pffs's default never loses to best-fit. Prints a
-table beside the published means, writes bench/results/scheduler.json and a PNG of allocation versus arrived
-load per policy.
+replay every other trace in the folder too, and held-out workload mixes made from `default` the way the
+published variants were (``pffs.scheduler.replay.mixes``; pffs was tuned on the published traces only).
+Prints a table beside the published means and pffs - FGD at 100% and 130% arrived on every trace and mix,
+writes bench/results/scheduler.json and a PNG of allocation versus arrived load per trace and policy.
 
-    .venv/bin/python bench/scheduler.py [--traces DIR] [--seeds 42-51] [--quick]
+    .venv/bin/python bench/scheduler.py [--traces DIR] [--seeds 42-51] [--quick] [--mixes multigpu25,...]
 
 The traces are research-use data: they are read in place (default ../shared/data/openb), never copied here.
 """
@@ -26,6 +27,7 @@ from tqdm import tqdm
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from pffs.scheduler.replay.mixes import make_mix  # noqa: E402
 from pffs.scheduler.replay.model import Cluster, PodList  # noqa: E402
 from pffs.scheduler.replay.policies import POLICIES  # noqa: E402
 from pffs.scheduler.replay.simulate import ReplayResult, replay  # noqa: E402
@@ -34,6 +36,19 @@ from pffs.scheduler.replay.traces import load_nodes, load_pods  # noqa: E402
 NODE_FILE = "openb_node_list_gpu_node.csv"
 MAIN_TRACES = ("default", "gpushare100")
 EVERY_TRACE_POLICIES = ("best-fit", "fgd", "pffs")
+# Held-out mixes (never used to tune pffs): more multi-GPU pods, other sharing shares, GPU-model constraints
+# (none in the published traces) and fewer / more CPU-only pods.
+HELD_OUT = (
+    "multigpu25",
+    "multigpu40",
+    "gpushare30",
+    "gpushare50",
+    "gpushare90",
+    "gpuspec15",
+    "gpuspec33",
+    "nongpu5",
+    "nongpu30",
+)
 # Weng et al., USENIX ATC '23: mean over seeds 42-51 of alloc at 100% / 130% arrived (SCHED_PROTOCOL.md).
 PUBLISHED = {
     "default": {
@@ -129,38 +144,39 @@ def session_speed(cluster: Cluster, trace: PodList, pods: int = 2000) -> dict[st
 
 
 def plot(report: dict[str, dict[str, dict[str, Any]]], path: Path) -> None:
+    """One panel per trace or mix: allocation versus arrived demand, best-fit / FGD / pffs."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(17, 5))
-    for ax, trace in zip(axes[:2], MAIN_TRACES, strict=True):
-        for policy, summary in report[trace].items():
-            curve = summary["curve"]
-            levels = [int(k) for k in curve]
-            ax.plot(levels, list(curve.values()), label=f"{policy} ({summary['alloc_at_100']:.2f}% at 100%)")
-        ax.plot([0, 130], [0, 130], color="grey", linewidth=0.5, linestyle=":")
-        ax.set_xlim(70, 131)
-        ax.set_ylim(65, 100)
-        ax.set_title(f"openb {trace}: GPU allocation vs arrived demand (seeds mean)")
-        ax.set_xlabel("arrived GPU demand, % of capacity")
-        ax.set_ylabel("allocated GPUs, % of capacity")
-        ax.legend(fontsize=8, loc="lower right")
-        ax.grid(alpha=0.3)
-    ax = axes[2]
     traces = list(report)
-    width = 0.8 / len(EVERY_TRACE_POLICIES)
-    for i, policy in enumerate(EVERY_TRACE_POLICIES):
-        values = [report[t][policy]["alloc_at_100"] for t in traces]
-        ax.bar([x + i * width for x in range(len(traces))], values, width, label=policy)
-    ax.set_xticks([x + width for x in range(len(traces))], traces, rotation=30, fontsize=8)
-    ax.set_ylim(min(report[t]["best-fit"]["alloc_at_100"] for t in traces) - 3, 100)
-    ax.set_title("alloc at 100% arrived, every trace")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3, axis="y")
+    cols = 5
+    rows = (len(traces) + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 3.3 * rows), squeeze=False)
+    for ax, trace in zip(axes.flat, traces, strict=False):
+        for policy in EVERY_TRACE_POLICIES:
+            summary = report[trace][policy]
+            curve = summary["curve"]
+            ax.plot(
+                [int(k) for k in curve],
+                list(curve.values()),
+                label=f"{policy} {summary['alloc_at_100']:.2f} / {summary['alloc_at_130']:.2f}",
+                linewidth=1,
+            )
+        low = report[trace]["best-fit"]["alloc_at_100"]
+        ax.set_xlim(60, 131)
+        ax.set_ylim(low - 8, min(100, report[trace]["pffs"]["alloc_at_130"] + 2))
+        ax.set_title(trace + (" (held out)" if trace in HELD_OUT else ""), fontsize=9)
+        ax.legend(fontsize=7, loc="lower right", title="alloc at 100% / 130%", title_fontsize=7)
+        ax.grid(alpha=0.3)
+        ax.tick_params(labelsize=7)
+    for ax in list(axes.flat)[len(traces) :]:
+        ax.axis("off")
+    fig.supxlabel("arrived GPU demand, % of capacity (mean of seeds)")
+    fig.supylabel("allocated GPUs, % of capacity")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -172,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--traces", default=str(default), help=f"openb trace folder (default {default})")
     parser.add_argument("--seeds", default="42-51", help="e.g. 42-51 or 42,43")
     parser.add_argument("--quick", action="store_true", help="main traces only (no every-trace comparison)")
+    parser.add_argument("--mixes", default=",".join(HELD_OUT), help="held-out mixes ('' for none)")
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "scheduler"))
     args = parser.parse_args(argv)
     folder = Path(args.traces)
@@ -180,14 +197,20 @@ def main(argv: list[str] | None = None) -> int:
     traces = sorted(
         p.name[len("openb_pod_list_") : -len(".csv")] for p in folder.glob("openb_pod_list_*.csv")
     )
+    mixes = [m for m in args.mixes.split(",") if m] if not args.quick else []
     plan = [(t, p) for t in MAIN_TRACES for p in POLICIES]
     if not args.quick:
         plan += [(t, p) for t in traces if t not in MAIN_TRACES for p in EVERY_TRACE_POLICIES]
+    plan += [(m, p) for m in mixes for p in EVERY_TRACE_POLICIES]
+    base = load_pods(folder / "openb_pod_list_default.csv")
     report: dict[str, dict[str, dict[str, Any]]] = {}
     start = time.perf_counter()
     with tqdm(total=len(plan) * len(seeds), unit="replay", file=sys.stderr) as bar:
         for trace_name, policy in plan:
-            trace = load_pods(folder / f"openb_pod_list_{trace_name}.csv")
+            if trace_name in mixes:
+                trace = make_mix(trace_name, base, cluster)
+            else:
+                trace = load_pods(folder / f"openb_pod_list_{trace_name}.csv")
             results = []
             for seed in seeds:
                 bar.set_description(f"{trace_name} {policy} seed {seed}")
@@ -207,14 +230,20 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{trace_name:<13} {policy:<12} {ours:>15} {pub_text:>15} {s['pods_per_second']:>9}")
     verdict = {}
     for trace_name, policies in report.items():
-        pffs, best_fit = policies["pffs"], policies["best-fit"]
+        pffs, best_fit, fgd = policies["pffs"], policies["best-fit"], policies["fgd"]
         verdict[trace_name] = {
+            "held_out": trace_name in mixes,
             "pffs_minus_best_fit_at_100": round(pffs["alloc_at_100"] - best_fit["alloc_at_100"], 3),
-            "pffs_minus_fgd_at_100": round(pffs["alloc_at_100"] - policies["fgd"]["alloc_at_100"], 3),
+            "pffs_minus_fgd_at_100": round(pffs["alloc_at_100"] - fgd["alloc_at_100"], 3),
+            "pffs_minus_fgd_at_130": round(pffs["alloc_at_130"] - fgd["alloc_at_130"], 3),
         }
-    print("\npffs - best-fit, pffs - FGD (points at 100%):")
+    print("\npffs - best-fit at 100%, pffs - FGD at 100% / 130% (points; * held out):")
     for trace_name, v in verdict.items():
-        print(f"  {trace_name:<13} {v['pffs_minus_best_fit_at_100']:+.2f} {v['pffs_minus_fgd_at_100']:+.2f}")
+        mark = "*" if v["held_out"] else " "
+        print(
+            f"  {trace_name:<13}{mark} {v['pffs_minus_best_fit_at_100']:+.2f}   "
+            f"{v['pffs_minus_fgd_at_100']:+.2f} / {v['pffs_minus_fgd_at_130']:+.2f}"
+        )
     print(
         f"gang core (run_session) on {cluster.size} nodes: {speed['single_pods_per_second']:.0f} pods/s "
         f"(trace pods, groups of one), {speed['gangs_of_8_per_second']:.0f} pods/s (gangs of 8)"
@@ -225,6 +254,7 @@ def main(argv: list[str] | None = None) -> int:
         "protocol": "../shared/SCHED_PROTOCOL.md (the FGD paper's simulator): shuffle, resample to 130%",
         "cluster": {"nodes": cluster.size, "gpus": cluster.gpu_capacity_milli // 1000},
         "seeds": seeds,
+        "held_out_mixes": mixes,
         "machine": {"cpus": 2, "python": platform.python_version()},
         "seconds": round(elapsed, 1),
         "published": PUBLISHED,

@@ -5,11 +5,13 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from collections.abc import Sequence
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pffs.scheduler.core import scoring
+from pffs.scheduler.core.fragmentation import ANY_MODEL, TypicalShapes
 from pffs.scheduler.core.objects import MILLI, Gpu, Node, Placement, Pod, PodGroup, Queue, Resources
 from pffs.scheduler.core.session import SessionResult, Weights, run_session
 from pffs.scheduler.replay.synthetic import Job, make_cluster, simulate
@@ -702,3 +704,31 @@ def test_simulation_locality_reads_warm_from_the_node_that_holds_the_dataset() -
     assert on.backend_bytes == size and on.warm_fraction == 0.5
     assert off.backend_bytes == 2 * size and off.warm_fraction == 0.0
     assert on.data_seconds_mean < off.data_seconds_mean
+
+
+def test_session_measures_stranding_with_the_trace_policys_weights() -> None:
+    """The gang session's fragmentation score uses the typical shapes weighted as the trace policy's
+    (``TypicalShapes.for_stranding``): multi-GPU shapes divided by their GPU count, sharing ones doubled."""
+    groups = [gang("eight", 1, gpus=8, cpu=2000), gang("one", 3, gpus=1, cpu=1000), gang("half", 1, 1, 500)]
+    seen: list[TypicalShapes] = []
+    original = scoring.stranded_growth
+
+    def spy(state, shapes, pod):
+        seen.append(shapes)
+        return original(state, shapes, pod)
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(scoring, "stranded_growth", spy)
+        result = run_session([gpu_node("a"), gpu_node("b")], [Queue("q")], groups, [])
+    assert len(result.placements) == 5 and seen
+    counts = {(2000, MILLI, 8, ""): 1, (1000, MILLI, 1, ""): 3, (1000, 500, 1, ""): 1}
+    expected = TypicalShapes.from_counts(counts, lambda spec: ANY_MODEL).for_stranding()
+    got = {
+        (c, s, k): p
+        for c, s, k, p in zip(seen[0].cpu, seen[0].share, seen[0].count, seen[0].prob, strict=True)
+    }
+    # weights 1/8, 3 and 2 (the sharing shape doubled), over 5.125
+    assert got == pytest.approx(
+        {(2000, MILLI, 8): 0.125 / 5.125, (1000, MILLI, 1): 3 / 5.125, (1000, 500, 1): 2 / 5.125}
+    )
+    assert np.allclose(np.sort(seen[0].prob), np.sort(expected.prob))

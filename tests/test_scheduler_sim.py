@@ -16,6 +16,7 @@ from pffs.cli.main import main as pffs_main
 from pffs.scheduler.core.fragmentation import ANY_MODEL, TypicalShapes
 from pffs.scheduler.replay import metrics
 from pffs.scheduler.replay.go_rand import GoRand
+from pffs.scheduler.replay.mixes import make_mix
 from pffs.scheduler.replay.model import MILLI, Cluster, Pod, PodList
 from pffs.scheduler.replay.policies import POLICIES, BestFitPolicy, FgdPolicy, PffsPolicy, make_policy
 from pffs.scheduler.replay.simulate import replay
@@ -99,6 +100,30 @@ def test_fgd_and_stranded_measures_by_hand():
     # 500-milli pods: slots 1 + 2 + 0 + 0 = 3 use 1500 of 1900 free; FGD: 200 on the GPU below the share.
     assert half.stranded(cpu, gpus, bits).tolist() == [400.0]
     assert half.fragmentation(cpu, gpus, bits).tolist() == [200.0]
+
+
+def test_stranding_weights_divide_by_gpu_count_and_double_sharing_shapes():
+    cluster = cluster_of((96000, 10**6, 8, "A"))
+    trace = pods_of(
+        *[(8000, 1, MILLI, 1, "")] * 4, (64000, 1, MILLI, 8, ""), (4000, 1, 500, 1, ""), (9000, 1, 0, 0, "")
+    )
+    typical = TypicalShapes.from_pods(trace, cluster, popularity=100)
+    weighted = typical.for_stranding()
+    by_shape = {
+        (int(s), int(k)): p for s, k, p in zip(weighted.share, weighted.count, weighted.prob, strict=True)
+    }
+    total = 4 + 1 / 8 + 2 * 1 + 1  # one-GPU, 8-GPU / 8, sharing x 2, CPU-only
+    assert by_shape == pytest.approx(
+        {(MILLI, 1): 4 / total, (MILLI, 8): 0.125 / total, (500, 1): 2 / total, (0, 0): 1 / total}
+    )
+    # FGD's own shapes keep the pod frequencies; pffs's policy measures with the reweighted ones.
+    assert typical.prob.tolist() == pytest.approx([4 / 7, 1 / 7, 1 / 7, 1 / 7])
+    policy = make_policy("pffs", cluster, trace, GoRand(1))
+    assert isinstance(policy, PffsPolicy) and policy.typical.prob.tolist() == weighted.prob.tolist()
+    # A node with 7 free GPUs strands them all for the 8-GPU shape, but only at 1/8 of its pod frequency.
+    gpus = np.array([[0] + [MILLI] * 7])
+    alone = TypicalShapes.from_pods(pods_of((64000, 1, MILLI, 8, "")), cluster).for_stranding()
+    assert alone.stranded(np.array([96000]), gpus, cluster.model_bits()).tolist() == [7000.0]
 
 
 def test_pffs_sees_the_gpus_a_cpu_heavy_pod_would_strand_where_fgd_does_not():
@@ -242,3 +267,51 @@ def test_cli_simulate_errors(tmp_path, capsys):
     assert pffs_main(["sched", "simulate", "--nodes", str(nodes), "--pods", str(nodes)]) == 2
     err = capsys.readouterr().err
     assert "missing column(s) name, num_gpu, gpu_milli" in err and err.count("\n") == 1
+
+
+def _share_of_demand(pods: PodList, which: np.ndarray) -> float:
+    return float(pods.gpu_milli[which].sum() / pods.gpu_milli.sum())
+
+
+def test_mixes_turn_one_dial_each():
+    cluster = cluster_of((96000, 10**6, 8, "A"), (32000, 10**6, 2, "B"))
+    base = pods_of(
+        *[(8000, 1, MILLI, 1, "")] * 40,
+        *[(4000, 1, 500, 1, "")] * 30,
+        *[(16000, 1, MILLI, 2, "")] * 3,
+        *[(12000, 1, 0, 0, "")] * 10,
+    )
+    multi = make_mix("multigpu40", base, cluster)
+    assert multi.cpu[: len(base)].tolist() == base.cpu.tolist()  # the base, then multi-GPU pods appended
+    assert (multi.count[len(base) :] == 2).all()
+    assert 0.40 <= _share_of_demand(multi, multi.count > 1) < 0.45
+    share = make_mix("gpushare70", base, cluster)
+    assert len(share) == len(base) and (share.count == 0).sum() == 10
+    assert _share_of_demand(share, share.share < MILLI) == pytest.approx(0.70, abs=0.04)
+    spec = make_mix("gpuspec50", base, cluster)
+    constrained = [i for i, s in enumerate(spec.specs) if s]
+    assert 0.3 < len(constrained) / int((base.count > 0).sum()) < 0.7
+    # A constrained pod names a model with a node that can host it (2-GPU pods fit both; 8-core ones fit both)
+    assert all(spec.specs[i] in ("A", "B") for i in constrained)
+    assert all(spec.specs[i] == "" for i in np.flatnonzero(base.count == 0).tolist())
+    cpu = make_mix("nongpu30", base, cluster)
+    assert (cpu.count > 0).sum() == (base.count > 0).sum()
+    assert (cpu.count == 0).mean() == pytest.approx(0.30, abs=0.02)
+    assert make_mix("gpushare70", base, cluster).cpu.tolist() == share.cpu.tolist()  # a name is one mix
+    assert sorted(share.names) == share.names and len(set(share.names)) == len(share)
+    for bad in ("multigpu", "gpushare101", "nongpu100", "default"):
+        with pytest.raises(ValueError, match="mix"):
+            make_mix(bad, base, cluster)
+
+
+@needs_traces
+def test_held_out_mixes_from_the_default_trace():
+    cluster = load_nodes(NODES_CSV)
+    base = load_pods(TRACES / "openb_pod_list_default.csv")
+    multi = make_mix("multigpu40", base, cluster)
+    assert _share_of_demand(multi, multi.count > 1) == pytest.approx(0.40, abs=0.005)
+    spec = make_mix("gpuspec33", base, cluster)
+    for i in [i for i, s in enumerate(spec.specs) if s][:200]:
+        pod = spec.pod(i, cluster)  # every constrained pod has a node of its model that can host it
+        hosts = (cluster.model_bits() & pod.model_mask != 0) & (cluster.gpu_count >= pod.count)
+        assert (hosts & (cluster.cpu_capacity >= pod.cpu)).any()

@@ -190,7 +190,8 @@ class _Session:
         self.state.typical = self._typical_shapes()
 
     def _typical_shapes(self) -> TypicalShapes | None:
-        """The session's pod shapes by frequency (FGD's 'typical pods'), any GPU model accepted."""
+        """The session's pod shapes by frequency (FGD's 'typical pods'), any GPU model accepted, weighted
+        for the stranded-GPU measure (``TypicalShapes.for_stranding``) as the trace policy's are."""
         counts = Counter(
             (p.cpu_milli, p.gpu_milli if uses_gpus(p) else 0, p.gpu_count if uses_gpus(p) else 0, "")
             for g in self.groups.values()
@@ -198,7 +199,7 @@ class _Session:
         )
         if not any(share for _, share, _, _ in counts):
             return None
-        return TypicalShapes.from_counts(counts, lambda spec: ANY_MODEL)
+        return TypicalShapes.from_counts(counts, lambda spec: ANY_MODEL).for_stranding()
 
     # --- scoring and placing -------------------------------------------------------------------------
 

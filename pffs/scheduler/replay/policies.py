@@ -291,7 +291,9 @@ POLICIES: dict[str, PolicyFactory] = {
     "gpu-packing": lambda cluster, trace, rng: GpuPackingPolicy(),
     "best-fit": lambda cluster, trace, rng: BestFitPolicy(),
     "fgd": lambda cluster, trace, rng: FgdPolicy(cluster, TypicalShapes.from_pods(trace, cluster)),
-    "pffs": lambda cluster, trace, rng: PffsPolicy(cluster, TypicalShapes.from_pods(trace, cluster)),
+    "pffs": lambda cluster, trace, rng: PffsPolicy(
+        cluster, TypicalShapes.from_pods(trace, cluster).for_stranding()
+    ),
 }
 
 
