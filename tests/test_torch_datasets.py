@@ -8,6 +8,7 @@ import importlib.util
 import json
 import math
 import os
+import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -67,6 +68,11 @@ def test_map_dataset_lists_the_prefix_once_and_reads_each_object_exactly(
         assert (item.key, item.url) == (key, f"s3://{bucket}/{key}")
         assert sha256(item.read()) == sha256(objects[key])
     assert dataset[-1].getvalue() == objects[keys[-1]]
+    # An item travels from a DataLoader worker pickled: whole, with its names, at its position.
+    item = dataset[3]
+    item.seek(10)
+    copy = pickle.loads(pickle.dumps(item))
+    assert (copy.key, copy.url, copy.tell(), copy.read()) == (keys[3], item.url, 10, objects[keys[3]][10:])
     with pytest.raises(IndexError):
         dataset[len(objects)]
     # One LIST, and no HEAD per object: reads are pinned to the versions the listing named.
