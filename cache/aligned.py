@@ -14,3 +14,10 @@ def aligned_buffer(size: int) -> memoryview:
     raw = np.empty(size + ALIGN, dtype=np.uint8)
     offset = -raw.ctypes.data % ALIGN
     return memoryview(raw[offset : offset + size].data)
+
+
+def aligned_copy(data: bytes | memoryview) -> memoryview:
+    """A copy of `data` in a buffer of its own, starting on a 4 KiB boundary."""
+    copy = aligned_buffer(len(data))
+    copy[:] = data
+    return copy

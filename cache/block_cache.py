@@ -12,6 +12,7 @@ import sqlite3
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from .aligned import aligned_copy
 from .disk_tier import DiskTier
 from .file_lock import StripedFileLocks
 from .fork import after_fork_in_child, in_worker_process
@@ -133,7 +134,12 @@ class BlockCache:
             run = memoryview(fetch(i, j))
             offset = 0
             for k in range(i, j):
-                found[k] = piece = run[offset : offset + lengths[k]]
+                piece = run[offset : offset + lengths[k]]
+                if j - i > 1:
+                    # Each its own (page-aligned) copy: a slice would keep the whole run alive after
+                    # the memory tier evicted the rest of it, unaccounted.
+                    piece = aligned_copy(piece)
+                found[k] = piece
                 offset += lengths[k]
                 self._store_fetched(keys[k], piece)
             i = j

@@ -61,6 +61,7 @@ class ReadAheadState:
         # Bytes read one after the other since the last seek. Read-ahead starts only past MIN_RUN: the
         # kernel splits some random 128 KiB reads in two requests, which would look sequential.
         self.run_bytes = 0
+        self.run_start = 0  # where the run of reads following one another began
         self.recent: deque[tuple[int, int]] = deque(maxlen=RECENT_READS)  # [offset, end) of the last reads
         self.seeks = 0  # reads that were no part of a stream (see random)
         self.streaming = True  # the last read continued the ones before it densely (or started at 0)
@@ -97,8 +98,10 @@ class ReadAheadState:
             self.recent.append((offset, end))
             self.run_bytes += end - offset
             self.next_offset = max(self.next_offset, end)
-            self.streaming = self._dense()
+            # After a seek, a stream again only past MIN_RUN: two random reads may land close together.
+            self.streaming = self._dense() and (self.run_bytes >= MIN_RUN or self.run_start == 0)
         else:
+            self.run_start = offset
             self.run_bytes = end - offset
             self.recent.clear()
             self.recent.append((offset, end))
