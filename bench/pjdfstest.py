@@ -69,6 +69,8 @@ PLAN = re.compile(r"^1\.\.(?P<count>\d+)")
 RESULT = re.compile(r"^(?P<not>not )?ok (?P<number>\d+)\b(?P<rest>.*)$")
 DUBIOUS = re.compile(r"Dubious, test returned (?P<code>\d+)")
 TIMED_OUT_CODES = (124, 137)  # timeout(1): the test file outlived --test-timeout (137: killed after -k)
+MESSAGES_KEPT = 5  # of a test file's failing lines, in the JSON (the whole TAP output stays in the logs)
+MESSAGE_CHARS = 300  # of each line kept (the PATH_MAX tests' lines name 4 KiB paths)
 
 
 def log(message: str) -> None:
@@ -133,10 +135,26 @@ class TestFile:
         if self.timed_out:
             out["timed_out"] = True
         if self.failed_numbers:
-            out["failed_subtests"] = self.failed_numbers
+            out["failed_subtests"] = compact(self.failed_numbers)  # "2-5,9": short, and readable
             out["todo_failed"] = self.todo_failed
-            out["messages"] = self.messages
+            out["messages"] = shorten(self.messages)
         return out
+
+
+def shorten(messages: list[str]) -> list[str]:
+    """The first MESSAGES_KEPT lines, each cut to MESSAGE_CHARS (the middle of a long path goes)."""
+    half = MESSAGE_CHARS // 2
+    return [m if len(m) <= MESSAGE_CHARS else f"{m[:half]}...{m[-half:]}" for m in messages[:MESSAGES_KEPT]]
+
+
+def cap_messages(clients: dict[str, Result]) -> None:
+    """Entries written before the cap on kept lines (and as lists of numbers) get it too."""
+    for entry in clients.values():
+        for failing in entry.get("failing_files", {}).values():
+            if "messages" in failing:
+                failing["messages"] = shorten(failing["messages"])
+            if isinstance(failing.get("failed_subtests"), list):
+                failing["failed_subtests"] = compact(failing["failed_subtests"])
 
 
 class TapReader:
@@ -400,9 +418,12 @@ def merge(previous: Result, results: dict[str, Result], suite: Suite, args: argp
     """The new results over the file's previous ones: a client run now replaces its entry (the old one's
     summary moves to "previous"), the others stay as they were."""
     clients = dict(previous.get("clients", {}))
+    cap_messages(clients)
     history = dict(previous.get("previous", {}))
     keep = ("date", "pffs_git", "passed", "total")
+    command = shlex.join([sys.executable, *sys.argv])
     for client, entry in results.items():
+        entry["bench_command"] = command
         if client in clients and "passed" in clients[client]:
             old = {k: clients[client][k] for k in keep if k in clients[client]}
             history[client] = [*history.get(client, []), old]
@@ -415,7 +436,7 @@ def merge(previous: Result, results: dict[str, Result], suite: Suite, args: argp
             "test_timeout_seconds": suite.test_timeout,
             "prove": shlex.join(suite.prove_command()).replace(str(suite.root), "$SUITE"),
         },
-        "command": shlex.join([sys.executable, *sys.argv]),
+        "command": command,  # the last run's; each client's entry has the one that ran it
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "machine": sdk.machine_info(),
         "versions": tool_versions(),
@@ -436,7 +457,7 @@ def print_table(report: Result) -> None:
         cells = [
             f"{e['by_dir'][d]['passed']}/{e['by_dir'][d]['total']}" if d in e["by_dir"] else "-" for d in dirs
         ]
-        measured = e["pffs_git"].rsplit("/", 1)[-1][:24]  # a commit, or the folder of an exported one
+        measured = commit_of(e) if client == "pffs" else ""
         rows.append((client, str(e["passed"]), str(e["total"]), e["date"][:16], measured, *cells))
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     print()
@@ -450,8 +471,16 @@ def print_table(report: Result) -> None:
             print(f"\n{client}: {len(failing)} test files with failures (passed/total, failing subtests):")
             for name, f in failing.items():
                 note = " TIMED OUT" if f.get("timed_out") else ""
-                print(f"  {name}: {f['passed']}/{f['total']}{note} {compact(f.get('failed_subtests', []))}")
+                print(f"  {name}: {f['passed']}/{f['total']}{note} {f.get('failed_subtests', '')}")
     print(f"\nsuite: pjdfstest at {report['suite']['commit']}; command: {report['command']}")
+
+
+def commit_of(entry: Result) -> str:
+    """The pffs an entry measured, short: its commit (exported ones: the folder's name ends with it)."""
+    measured = str(entry.get("pffs_git", "?"))
+    if measured.startswith("pffs imported from "):
+        return measured.rsplit("-", 1)[-1][:12]
+    return measured.split()[0] + ("+" if "uncommitted" in measured else "")
 
 
 def compact(numbers: list[int]) -> str:
@@ -478,10 +507,17 @@ def plot(report: Result, path: Path) -> None:
         1, 2, figsize=(17, 5.5), gridspec_kw={"width_ratios": [1, 3.4]}, squeeze=True
     )
     names = list(clients)
-    passed = [clients[c]["passed"] for c in names]
-    bars = left.bar(names, passed, color=[colors.get(c, "tab:gray") for c in names])
-    labels = [f"{p:,}\nof {clients[c]['total']:,}" for p, c in zip(passed, names, strict=True)]
-    left.bar_label(bars, labels=labels, fontsize=7)
+    # Left: every client's latest run, and pffs's run before it (hatched), labelled with its commit.
+    bars: list[tuple[str, Result, str, str]] = []
+    for c in names:
+        earlier = report.get("previous", {}).get(c, [])
+        if c == "pffs" and earlier:
+            bars.append((f"pffs before\n{commit_of(earlier[-1])}", earlier[-1], colors[c], "//"))
+        tick = f"pffs\n{commit_of(clients[c])}" if c == "pffs" else c
+        bars.append((tick, clients[c], colors.get(c, "tab:gray"), ""))
+    for tick, entry, color, hatch in bars:
+        drawn = left.bar(tick, entry["passed"], color=color, hatch=hatch, alpha=0.55 if hatch else 1.0)
+        left.bar_label(drawn, labels=[f"{entry['passed']:,}\nof {entry['total']:,}"], fontsize=7)
     left.set_title("subtests passed (whole suite)", fontsize=10)
     left.tick_params(axis="both", labelsize=8)
     left.grid(axis="y", alpha=0.3)
@@ -496,7 +532,7 @@ def plot(report: Result, path: Path) -> None:
         right.bar(xs, shares, width, label=c, color=colors.get(c, "tab:gray"))
     right.set_xticks(range(len(dirs)), dirs, rotation=30, ha="right", fontsize=8)
     right.set_ylabel("% of the directory's subtests passed", fontsize=8)
-    right.set_ylim(0, 105)
+    right.set_ylim(0, 118)  # room for the legend above the 100% bars
     right.set_title("per test directory (syscall)", fontsize=10)
     if names:
         right.legend(fontsize=8, ncols=len(names))
@@ -504,7 +540,8 @@ def plot(report: Result, path: Path) -> None:
     dates = {e["date"][:10] for e in clients.values()}
     fig.suptitle(
         f"pjdfstest ({report['suite']['commit'][:7]}) through FUSE mounts over one local SeaweedFS "
-        f"(local: {clients.get('local', {}).get('fs_type', 'a kernel fs')}); {', '.join(sorted(dates))}",
+        f"(local: a folder on {clients.get('local', {}).get('fs_type', 'a kernel fs')}); "
+        f"{', '.join(sorted(dates))}",
         fontsize=11,
     )
     fig.tight_layout()
@@ -553,7 +590,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--workdir", help="where the server data, caches and mounts go, in a temp dir (default /tmp)"
     )
     parser.add_argument("--out-dir", default=str(Path(__file__).parent / "results"), help="output folder")
+    parser.add_argument(
+        "--report-only", action="store_true", help="print the table and draw the chart again from the JSON"
+    )
     args = parser.parse_args(argv)
+    if args.report_only:
+        return args
     if args.test_timeout < 1 or args.run_timeout < 1:
         parser.error("--test-timeout and --run-timeout must be positive")
     tests = args.suite / "tests"
@@ -572,6 +614,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if shutil.which("prove") is None:
         parser.error("prove (Perl's TAP harness) is not on PATH")
     return args
+
+
+def report_only(out: Path) -> int:
+    """The table and the chart again from the JSON, nothing run."""
+    json_path = out / "pjdfstest.json"
+    if not json_path.exists():
+        print(f"pjdfstest.py: error: --report-only: no {json_path} yet", file=sys.stderr)
+        return 2
+    report = json.loads(json_path.read_text())
+    cap_messages(report.get("clients", {}))
+    json_path.write_text(json.dumps(report, indent=2) + "\n")
+    plot(report, out / "pjdfstest.png")
+    print_table(report)
+    return 0
 
 
 def run_benchmark(args: argparse.Namespace) -> int:
@@ -604,7 +660,10 @@ def run_benchmark(args: argparse.Namespace) -> int:
 
 
 def main() -> int:
-    return run_benchmark(parse_args())
+    args = parse_args()
+    if args.report_only:
+        return report_only(Path(args.out_dir))
+    return run_benchmark(args)
 
 
 if __name__ == "__main__":
