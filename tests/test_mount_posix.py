@@ -364,3 +364,41 @@ def test_setgid_directory_gives_its_group_and_devices_are_kept(
         st = (fresh.path / "null").lstat()
         assert stat.S_ISCHR(st.st_mode) and st.st_rdev == os.makedev(1, 3)
         assert (fresh.path / "shared" / "file").stat().st_gid == 4321
+
+
+def test_directory_times_follow_entries_and_open_files_outlive_unlink(
+    s3_server: SeaweedS3, bucket: str, tmp_path: Path
+) -> None:
+    """What pjdfstest found: a directory's mtime and ctime did not move with its entries; ftruncate's reply
+    carried a stale ctime; fstat of a file unlinked while open was ENOENT."""
+    with s3_mount(s3_server, bucket, tmp_path) as mount:
+        folder = mount.path / "d"
+        folder.mkdir()
+        os.utime(folder, ns=(NS, NS))  # far in the past: any change below is later
+        steps = [
+            lambda: (folder / "file").write_bytes(b"x"),
+            lambda: os.mkdir(folder / "sub"),
+            lambda: os.symlink("file", folder / "link"),
+            lambda: os.rename(folder / "file", folder / "moved"),
+            lambda: os.unlink(folder / "link"),
+            lambda: os.rmdir(folder / "sub"),
+        ]
+        for step in steps:
+            before = folder.stat()
+            step()
+            after = folder.stat()
+            assert after.st_mtime_ns > before.st_mtime_ns and after.st_ctime_ns > before.st_ctime_ns, step
+
+        path = mount.path / "open.bin"
+        path.write_bytes(pattern(50_000, seed=6))
+        with open(path, "r+b") as f:
+            ctime = os.fstat(f.fileno()).st_ctime_ns
+            os.ftruncate(f.fileno(), 1000)
+            now = os.fstat(f.fileno())
+            assert now.st_size == 1000 and now.st_ctime_ns > ctime
+            os.unlink(path)
+            gone = os.fstat(f.fileno())  # the handle still holds the file
+            assert gone.st_nlink == 0 and gone.st_size == 1000
+            f.seek(0)
+            assert sha256(f.read()) == sha256(pattern(50_000, seed=6)[:1000])
+        assert not path.exists()

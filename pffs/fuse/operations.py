@@ -33,7 +33,7 @@ from pffs.fuse.workers import WorkerThreads
 from pffs.vfs import OpenObject
 from pffs.vfs.dir_prefetch import DirectoryPrefetcher
 from pffs.vfs.inodes import ROOT_INODE, InodeTable
-from pffs.vfs.namespace import UNKNOWN, Namespace
+from pffs.vfs.namespace import UNKNOWN, Namespace, staged_info
 from pffs.vfs.staging import StagedFile
 
 log = logging.getLogger(__name__)
@@ -90,6 +90,7 @@ def _log_bug_once(where: str, exc: Exception) -> None:
 @dataclass
 class FileHandle:
     path: str
+    inode: int
     reader: OpenObject | None = None  # reading a stored version
     staged: StagedFile | None = None  # writing, or reading a file being written
     writable: bool = False
@@ -254,7 +255,26 @@ class Operations(pyfuse3.Operations):
 
     @fuse_errors
     async def getattr(self, inode: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
-        return self.attributes(inode, await self._stat(self.inodes.path(inode)))
+        try:
+            return self.attributes(inode, await self._stat(self.inodes.path(inode)))
+        except FileNotFoundError:
+            # Unlinked while open (fstat on the handle): the version the handle holds, with no links.
+            held = self._held_by_handle(inode)
+            if held is None:
+                raise
+            attr = self.attributes(inode, held)
+            attr.st_nlink = 0
+            return attr
+
+    def _held_by_handle(self, inode: int) -> ObjectInfo | None:
+        for handle in list(self.files.values()):
+            if handle.inode != inode:
+                continue
+            if handle.staged is not None:
+                return staged_info(handle.staged)
+            if handle.reader is not None:
+                return handle.reader.info
+        return None
 
     @fuse_errors
     async def setattr(
@@ -504,16 +524,16 @@ class Operations(pyfuse3.Operations):
             self._opened_version.pop(inode, None)
             if flags & os.O_TRUNC or self.staging.get(path) is not None:
                 staged = await self._backend(self._open_staged, path, bool(flags & os.O_TRUNC))
-                self.files[fh] = FileHandle(path, staged=staged, writable=True)
+                self.files[fh] = FileHandle(path, inode, staged=staged, writable=True)
             else:
                 reader = self.vfs.open_version(await self._stat(path))
-                self.files[fh] = FileHandle(path, reader=reader, writable=True)
+                self.files[fh] = FileHandle(path, inode, reader=reader, writable=True)
             return pyfuse3.FileInfo(fh=fh, keep_cache=False)
         if self.staging.get(path) is not None:  # being written here: read what was written
-            self.files[fh] = FileHandle(path, staged=self.staging.open(path))
+            self.files[fh] = FileHandle(path, inode, staged=self.staging.open(path))
             return pyfuse3.FileInfo(fh=fh, keep_cache=False)
         info = await self._stat(path)
-        self.files[fh] = FileHandle(path, reader=self.vfs.open_version(info))
+        self.files[fh] = FileHandle(path, inode, reader=self.vfs.open_version(info))
         if self.prefetcher is not None:
             self.prefetcher.opened(path, info)
         # The kernel keeps its page cache of this file only while the stored version is unchanged.
@@ -536,9 +556,10 @@ class Operations(pyfuse3.Operations):
         if made is not None:
             staged.attributes = made
         self.ns.forget(path)
+        self.ns.entries_changed(posixpath.dirname(path))
         fh = next(self._handles)
-        self.files[fh] = FileHandle(path, staged=staged, writable=True)
         inode = self.inodes.remember(path)
+        self.files[fh] = FileHandle(path, inode, staged=staged, writable=True)
         return pyfuse3.FileInfo(fh=fh), self.attributes(inode, self.ns.stat(path))
 
     @fuse_errors

@@ -198,6 +198,18 @@ class Namespace:
                 self._missing.clear()
             self._missing[path] = time.monotonic() + self.negative_ttl_s
 
+    def entries_changed(self, directory: str) -> None:
+        """An entry was made, removed or renamed in `directory`: its mtime and ctime are now (shown by this
+        mount; a marker object is not rewritten for each entry)."""
+        if not self.posix:
+            return
+        now = time.time_ns()
+        base = self.dir_attributes.get(directory)
+        if base is None:
+            cached = self.vfs.metadata.get(directory)
+            base = cached.posix if cached is not None and cached.posix is not None else PosixAttributes()
+        self.dir_attributes[directory] = base.replace(mtime_ns=now, ctime_ns=now)
+
     def forget(self, path: str) -> None:
         """Drops everything known of `path` (and every listing) after a change made here."""
         with self._lock:
@@ -217,6 +229,7 @@ class Namespace:
         if not self.vfs.backend.has_real_directories:
             self.new_dirs.add(path)
         self.forget(path)
+        self.entries_changed(posixpath.dirname(path))
         return dataclasses.replace(directory_info(path), posix=attributes)
 
     def make_special(self, path: str, attributes: PosixAttributes, content: bytes = b"") -> ObjectInfo:
@@ -225,6 +238,7 @@ class Namespace:
             raise FileExistsError(errno.EEXIST, f"{self.vfs.backend.url(path)} exists")
         self.vfs.backend.write_bytes(path, content, attributes)
         self.forget(path)
+        self.entries_changed(posixpath.dirname(path))
         return self.stat(path)
 
     def read_link(self, path: str) -> bytes:
@@ -267,6 +281,7 @@ class Namespace:
         self.dir_attributes.pop(path, None)
         self.vfs.backend.remove_dir(path)
         self.forget(path)
+        self.entries_changed(posixpath.dirname(path))
 
     def unlink(self, path: str) -> None:
         was_staged = self.staging.get(path) is not None
@@ -278,6 +293,7 @@ class Namespace:
                 raise
         self.forget(path)
         self._remember_missing(path)
+        self.entries_changed(posixpath.dirname(path))
 
     def rename(self, old: str, new: str, *, replace: bool = True) -> None:
         """Files: a backend rename (S3: copy then delete, not atomic). Directories: where the backend has
@@ -299,6 +315,8 @@ class Namespace:
         self.forget(old)
         self.forget(new)
         self._remember_missing(old)
+        self.entries_changed(posixpath.dirname(old))
+        self.entries_changed(posixpath.dirname(new))
 
     def _rename_dir(self, old: str, new: str, target: ObjectInfo | None) -> None:
         if target is not None and (not target.is_dir or self.children(new)):
