@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import errno
 import time
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -148,3 +150,32 @@ def test_classification_of_botocore_errors_by_status() -> None:
     assert is_temporary(ClientError(500, "InternalError"))
     assert not is_temporary(ClientError(403, "AccessDenied"))
     assert not is_temporary(ClientError(400, "BadRequest"))
+
+
+def test_an_upload_gets_time_for_its_size_beyond_the_backend_deadline(tmp_path: Path) -> None:
+    """The deadline bounds a hung backend, not a large upload: put_file of 50 MiB under a 1 s deadline runs
+    with 1 s + 50 MiB at SLOWEST_TRANSFER_RATE left (a 100 MiB checkpoint failed after 1.6 s before)."""
+    from pffs.backends.backend import SLOWEST_TRANSFER_RATE
+    from pffs.backends.deadline import timeout_left
+    from pffs.backends.options import BackendOptions
+
+    (tmp_path / "store").mkdir()
+    backend, root = open_backend(f"file://{tmp_path}/store", BackendOptions(backend_timeout=1))
+    seen: list[float] = []
+    put_file = backend.fs.put_file
+
+    def timed_put_file(*args: Any, **kwargs: Any) -> None:
+        seen.append(timeout_left(3600))
+        put_file(*args, **kwargs)
+
+    backend.fs.put_file = timed_put_file  # type: ignore[method-assign]
+    large = tmp_path / "large"
+    with open(large, "wb") as f:
+        f.truncate(50 << 20)
+    backend.upload(str(large), f"{root}/large")
+    assert 1 + (50 << 20) / SLOWEST_TRANSFER_RATE - 1 < seen[0] <= 1 + (50 << 20) / SLOWEST_TRANSFER_RATE
+    small = tmp_path / "small"
+    small.write_bytes(b"x")
+    backend.upload(str(small), f"{root}/small")
+    assert 0 < seen[1] <= 1  # a small upload: the deadline as it is
+    assert (tmp_path / "store" / "large").stat().st_size == 50 << 20

@@ -137,12 +137,14 @@ class Backend:
 
         return bounded
 
-    def _call(self, kind: str, fn: Callable[[], T], path: str) -> T:
-        """One request (with its retries, within the deadline), counted and timed as `kind`."""
+    def _call(self, kind: str, fn: Callable[[], T], path: str, transfer_bytes: int = 0) -> T:
+        """One request (with its retries, within the deadline), counted and timed as `kind`. A request that
+        sends `transfer_bytes` gets time for them beyond the deadline (SLOWEST_TRANSFER_RATE)."""
         started = time.perf_counter()
         failed = True
         try:
-            result = self.retry.call(self._attempt(fn), self.url(path))
+            extra_s = transfer_bytes / SLOWEST_TRANSFER_RATE
+            result = self.retry.call(self._attempt(fn), self.url(path), extra_s)
             failed = False
             return result
         finally:
@@ -169,7 +171,8 @@ class Backend:
     def upload(self, local_path: str, path: str, attributes: PosixAttributes | None = None) -> None:
         """Puts a local file at path (multipart where the backend does that for large files)."""
         extra = self._metadata_arguments(attributes)
-        self._call("put", lambda: self.fs.put_file(local_path, path, **extra, **self._wait()), path)
+        size = os.path.getsize(local_path)
+        self._call("put", lambda: self.fs.put_file(local_path, path, **extra, **self._wait()), path, size)
         self.invalidate(path)
 
     def write_bytes(self, path: str, data: bytes, attributes: PosixAttributes | None = None) -> None:
@@ -290,6 +293,10 @@ def _keep_clients_before_fork() -> None:
 
 os.register_at_fork(before=_keep_clients_before_fork, after_in_parent=_KEPT_ACROSS_FORK.clear)
 
+
+# An upload is given the deadline plus the time to send its bytes at this rate: the deadline bounds a hung
+# backend, not a large file on a slow link (a 5 GiB checkpoint needs more than 30 s at most link speeds).
+SLOWEST_TRANSFER_RATE = 10 << 20  # bytes per second
 
 BLOCKING_CALL_LIMIT_S = 3600.0  # a call's timeout where no deadline is set (the deadline is always nearer)
 _pool: concurrent.futures.ThreadPoolExecutor | None = None

@@ -48,8 +48,11 @@ class RetryPolicy:
         capped = min(self.max_delay_s, self.base_delay_s * (2**attempt))
         return capped * (0.5 + random.random() / 2)
 
-    def call(self, fn: Callable[[], T], url: str) -> T:
-        with deadline(self.timeout_s) as at:
+    def call(self, fn: Callable[[], T], url: str, extra_s: float = 0.0) -> T:
+        """fn() with retries, all within the deadline: timeout_s, plus extra_s for a call that moves much
+        data (an upload's time grows with its size; a hung backend still ends it)."""
+        timeout_s = None if self.timeout_s is None else self.timeout_s + extra_s
+        with deadline(timeout_s) as at:
             for attempt in range(self.attempts):
                 try:
                     return fn()
@@ -58,7 +61,7 @@ class RetryPolicy:
                         raise permanent_error(exc, url) from exc
                     left = None if at is None else at - time.monotonic()
                     if left is not None and left <= 0.001:
-                        raise BackendTimeoutError(url, self.timeout_s or 0.0, describe(exc)) from exc
+                        raise BackendTimeoutError(url, timeout_s or 0.0, describe(exc)) from exc
                     if attempt == self.attempts - 1:
                         raise BackendUnavailableError(
                             f"{url}: backend unavailable after {self.attempts} attempts: {describe(exc)}"

@@ -15,10 +15,7 @@ from typing import Any
 
 import torch
 
-from pffs.sdk.filesystem import PffsFileSystem
 from pffs.sdk.helpers import filesystem_for
-
-SLOWEST_UPLOAD_RATE = 10 << 20  # bytes per second a checkpoint upload is given time for
 
 
 def save(obj: Any, url: str, **options: Any) -> None:
@@ -37,22 +34,11 @@ def save(obj: Any, url: str, **options: Any) -> None:
         if local:
             os.replace(staged, path)
         else:
-            _uploader(fs, url, os.path.getsize(staged), options).put_file(staged, path)
+            fs.put_file(staged, path)  # given time for its size beyond the backend deadline
         fs.invalidate_cache(path)
     finally:
         if os.path.exists(staged):
             os.unlink(staged)
-
-
-def _uploader(fs: PffsFileSystem, url: str, size: int, options: dict[str, Any]) -> PffsFileSystem:
-    """A filesystem whose backend deadline (which bounds each call whole) gives an upload of `size` bytes
-    time for its size too: made for this upload alone (kept, every size would be another cached one)."""
-    deadline = fs.vfs.backend.retry.timeout_s
-    if deadline is None:
-        return fs
-    deadline += size / SLOWEST_UPLOAD_RATE
-    uploader, _ = filesystem_for(url, **{**options, "backend_timeout": deadline, "skip_instance_cache": True})
-    return uploader
 
 
 def load(url: str, *, map_location: Any = None, weights_only: bool | None = None, **options: Any) -> Any:
