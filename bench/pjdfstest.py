@@ -504,21 +504,22 @@ def plot(report: Result, path: Path) -> None:
     clients = {c: e for c, e in report["clients"].items() if "passed" in e}
     dirs = sorted({d for e in clients.values() for d in e["by_dir"]})
     fig, (left, right) = plt.subplots(
-        1, 2, figsize=(17, 5.5), gridspec_kw={"width_ratios": [1, 3.4]}, squeeze=True
+        1, 2, figsize=(17, 5.5), gridspec_kw={"width_ratios": [1.5, 3.4]}, squeeze=True
     )
     names = list(clients)
-    # Left: every client's latest run, and pffs's run before it (hatched), labelled with its commit.
+    # Left: every client's latest run, and pffs's runs before it (hatched), labelled with their commits.
     bars: list[tuple[str, Result, str, str]] = []
     for c in names:
-        earlier = report.get("previous", {}).get(c, [])
-        if c == "pffs" and earlier:
-            bars.append((f"pffs before\n{commit_of(earlier[-1])}", earlier[-1], colors[c], "//"))
+        if c == "pffs":
+            for earlier in report.get("previous", {}).get(c, []):
+                bars.append((f"pffs\n{commit_of(earlier)}", earlier, colors[c], "//"))
         tick = f"pffs\n{commit_of(clients[c])}" if c == "pffs" else c
         bars.append((tick, clients[c], colors.get(c, "tab:gray"), ""))
     for tick, entry, color, hatch in bars:
         drawn = left.bar(tick, entry["passed"], color=color, hatch=hatch, alpha=0.55 if hatch else 1.0)
         left.bar_label(drawn, labels=[f"{entry['passed']:,}\nof {entry['total']:,}"], fontsize=7)
-    left.set_title("subtests passed (whole suite)", fontsize=10)
+    left.set_title("subtests passed (whole suite; hatched: pffs at earlier commits)", fontsize=10)
+    left.margins(y=0.1)  # room for the labels above the bars
     left.tick_params(axis="both", labelsize=8)
     left.grid(axis="y", alpha=0.3)
     width = 0.8 / max(1, len(names))
