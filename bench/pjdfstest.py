@@ -4,8 +4,8 @@
     .venv/bin/python bench/pjdfstest.py --clients pffs               # pffs again; the others' results kept
     .venv/bin/python bench/pjdfstest.py --clients pffs --dirs chmod,symlink   # part of the suite
 
-Needs pjdfstest built from its source (github.com/pjd/pjdfstest: autoreconf -ifs && ./configure && make) in
---suite (default ~/.cache/pffs-tools/pjdfstest); this repository holds neither its code nor a recipe for it.
+Needs pjdfstest, built from its source (github.com/pjd/pjdfstest), in --suite (default
+~/.cache/pffs-tools/pjdfstest); this repository holds neither its code nor a recipe for building it.
 Run as root: the suite changes owners and runs steps as other users.
 
 One SeaweedFS S3 server; per client, in turn, the bucket's prefix emptied first:
@@ -602,8 +602,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     tests = args.suite / "tests"
     if not (args.suite / "pjdfstest").is_file() or not (tests / "misc.sh").is_file():
         parser.error(
-            f"--suite {args.suite}: no built pjdfstest there (want its pjdfstest binary and tests/); build "
-            "it from github.com/pjd/pjdfstest with: autoreconf -ifs && ./configure && make"
+            f"--suite {args.suite}: no built pjdfstest there (want its pjdfstest binary and tests/ "
+            "folder, built from its source: github.com/pjd/pjdfstest)"
         )
     available = sorted(p.name for p in tests.iterdir() if p.is_dir())
     args.dirs = [d.strip() for d in args.dirs.split(",") if d.strip()] if args.dirs else available
