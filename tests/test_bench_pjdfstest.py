@@ -8,12 +8,28 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
-sys.path.insert(0, str(BENCH))
-pjdfstest = importlib.import_module("pjdfstest")
+
+
+def _import_bench(name: str) -> Any:
+    """bench/<name>.py, with the bench modules it imports by their plain names (`mounts`, `sdk`) kept to
+    itself: tests/mounts.py goes by the same name, and the other test modules must go on finding theirs."""
+    shadowed = {m: sys.modules.pop(m) for m in ("mounts", "sdk") if m in sys.modules}
+    sys.path.insert(0, str(BENCH))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(BENCH))
+        for m in ("mounts", "sdk"):
+            sys.modules.pop(m, None)
+        sys.modules.update(shadowed)
+
+
+pjdfstest = _import_bench("pjdfstest")
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -402,3 +402,32 @@ def test_directory_times_follow_entries_and_open_files_outlive_unlink(
             f.seek(0)
             assert sha256(f.read()) == sha256(pattern(50_000, seed=6)[:1000])
         assert not path.exists()
+
+
+@pytest.mark.parametrize("option", ["--posix", "--fixed-modes"])
+def test_a_mounted_prefix_with_a_folder_marker_object_works(
+    option: str, s3_server: SeaweedS3, bucket: str, tmp_path: Path, raw_s3: s3fs.S3FileSystem
+) -> None:
+    """s3fs-fuse and the AWS console write `ds/` for a folder: a mount of s3://bucket/ds lists, makes
+    directories in and reads its root (found by the pjdfstest bench: the root failed with EIO, at times)."""
+    raw_s3.pipe({f"{bucket}/ds/": b"", f"{bucket}/ds/a.bin": pattern(70_000, seed=3)})
+    extra = () if option == "--posix" else (option,)
+    mount = Mount(
+        f"s3://{bucket}/ds", tmp_path / "mnt", tmp_path / "cache", s3_mount(s3_server, bucket, tmp_path).env,
+        "--endpoint-url", s3_server.endpoint_url, *extra,
+    )  # fmt: skip
+    with mount:
+        for i in range(4):
+            assert sorted(os.listdir(mount.path)) == sorted(["a.bin", *(f"d{j}" for j in range(i))])
+            (mount.path / f"d{i}").mkdir()
+            (mount.path / f"d{i}" / "f").write_bytes(b"x" * i)
+        assert sha256((mount.path / "a.bin").read_bytes()) == sha256(pattern(70_000, seed=3))
+    assert raw_s3.cat(f"{bucket}/ds/d3/f") == b"xxx"
+    # The SDK lists the folder's objects, not its marker (a 0-byte "object" named like the folder).
+    import fsspec
+
+    sdk = fsspec.filesystem(
+        "pffs", target=f"s3://{bucket}/ds", cache_dir=str(tmp_path / "sdk"), skip_instance_cache=True,
+        **s3_server.storage_options(),
+    )  # fmt: skip
+    assert sorted(sdk.find("")) == ["a.bin", "d0/f", "d1/f", "d2/f", "d3/f"]

@@ -155,12 +155,14 @@ class Backend:
 
     def list_dir(self, path: str) -> list[ObjectInfo]:
         entries = self._call("list", lambda: self.fs.ls(path, detail=True, **self._wait()), path)
-        return [self._to_info(e) for e in entries]
+        return [self._to_info(e) for e in entries if not _folder_marker(e)]
 
     def find(self, path: str) -> list[ObjectInfo]:
         """Every object under path (recursive), from as few listing requests as the backend allows."""
         found = self._call("list", lambda: self.fs.find(path, detail=True, **self._wait()), path)
-        return [self._to_info(e) for e in found.values() if e.get("type") != "directory"]
+        return [
+            self._to_info(e) for e in found.values() if e.get("type") != "directory" and not _folder_marker(e)
+        ]
 
     # Writes. Each drops what fsspec's own caches knew of the path; callers drop their own.
 
@@ -292,6 +294,12 @@ def _keep_clients_before_fork() -> None:
 
 
 os.register_at_fork(before=_keep_clients_before_fork, after_in_parent=_KEPT_ACROSS_FORK.clear)
+
+
+def _folder_marker(entry: dict[str, Any]) -> bool:
+    """The empty object `name/` that s3fs-fuse, the AWS console and pffs's mkdir make for a folder: listed
+    as a 0-byte file under the folder's own name, it would turn the folder (a mount's root) into a file."""
+    return str(entry.get("name", "")).endswith("/") and entry.get("type") != "directory"
 
 
 # An upload is given the deadline plus the time to send its bytes at this rate: the deadline bounds a hung
