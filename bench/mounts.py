@@ -83,7 +83,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -1319,12 +1319,17 @@ def plot(report: Result, path: Path) -> None:
 
 
 # -- main ---------------------------------------------------------------------------------------------------
-def clients_arg(value: str) -> list[str]:
-    chosen = [c.strip() for c in value.split(",") if c.strip()]
-    unknown = [c for c in chosen if c not in CLIENTS]
-    if unknown or not chosen:
-        raise argparse.ArgumentTypeError(f"unknown client(s) {unknown}; choose among {','.join(CLIENTS)}")
-    return [c for c in CLIENTS if c in chosen]
+def clients_arg_of(known: Sequence[str]) -> Callable[[str], list[str]]:
+    """An argparse type for `--clients a,b`: the chosen ones of `known`, in its order."""
+
+    def clients_arg(value: str) -> list[str]:
+        chosen = [c.strip() for c in value.split(",") if c.strip()]
+        unknown = [c for c in chosen if c not in known]
+        if unknown or not chosen:
+            raise argparse.ArgumentTypeError(f"unknown client(s) {unknown}; choose among {','.join(known)}")
+        return [c for c in known if c in chosen]
+
+    return clients_arg
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -1345,7 +1350,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--only",
-        type=clients_arg,
+        type=clients_arg_of(CLIENTS),
         default=list(CLIENTS),
         help=f"clients, comma-separated (default {','.join(CLIENTS)})",
     )

@@ -551,14 +551,6 @@ def plot(report: Result, path: Path) -> None:
 
 
 # -- main ---------------------------------------------------------------------------------------------------
-def clients_arg(value: str) -> list[str]:
-    chosen = [c.strip() for c in value.split(",") if c.strip()]
-    unknown = [c for c in chosen if c not in CLIENTS]
-    if unknown or not chosen:
-        raise argparse.ArgumentTypeError(f"unknown client(s) {unknown}; choose among {','.join(CLIENTS)}")
-    return [c for c in CLIENTS if c in chosen]
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
@@ -570,7 +562,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--clients",
-        type=clients_arg,
+        type=mounts.clients_arg_of(CLIENTS),
         default=list(CLIENTS),
         help=f"clients, comma-separated, run in this order: {','.join(CLIENTS)} (default all)",
     )
