@@ -243,6 +243,7 @@ def main() -> int:
     for f in failures:
         print("FAILED:", f)
 
+    RESULTS.mkdir(exist_ok=True)
     plot(gang_runs, table, per_seed, args)
     result = {
         "command": "python bench/scheduler_gangs.py " + " ".join(sys.argv[1:]),
@@ -254,7 +255,6 @@ def main() -> int:
         "elapsed_seconds": elapsed,
         "failures": failures,
     }
-    RESULTS.mkdir(exist_ok=True)
     (RESULTS / "scheduler_gangs.json").write_text(json.dumps(result, indent=2) + "\n")
     return 1 if failures else 0
 
