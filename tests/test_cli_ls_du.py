@@ -130,6 +130,21 @@ def test_cached_bytes_are_exactly_what_was_warmed_and_read(
     assert human[3].split()[:4] == ["1000", "B", "0", "B"] and human[-1].startswith("1 object, 2 prefixes: ")
 
 
+def test_blocks_of_any_block_size_count_once(
+    bucket: str, dataset: dict[str, bytes], options: list[str], tmp_path: Path
+) -> None:
+    """A mount or warm-up with another --block-size than ls's: its blocks count all the same, and bytes
+    held twice (blocks of two sizes over the same stretch) count once."""
+    url = f"s3://{bucket}/ds"
+    other = [*options[: options.index("--block-size")], "--block-size", "96K"]  # no multiple of 64 KiB
+    ok("warmup", f"{url}/b/g", *other)
+    ok("warmup", f"{url}/a/f0", *options)
+    ok("warmup", f"{url}/a/f0", *other)
+    listing = json.loads(ok("ls", "-r", "--json", url, *options).stdout)
+    got = {e["name"]: e["cached_bytes"] for e in listing["entries"]}
+    assert got["b/g"] == SIZES["b/g"] and got["a/f0"] == SIZES["a/f0"] and got["top"] == 0, got
+
+
 def test_du_totals_per_prefix_to_depth_n_and_the_table_agrees_with_the_json(
     bucket: str, dataset: dict[str, bytes], options: list[str], s3_server: SeaweedS3, tmp_path: Path
 ) -> None:

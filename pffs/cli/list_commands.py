@@ -29,8 +29,8 @@ from pffs.vfs import Vfs
 LS_EPILOG = """\
 columns: SIZE, CACHED (bytes of the object's current version in the disk cache at --cache-dir), the
 cached share, MODIFIED (local time) and NAME (relative to URL; prefixes end in /). With no pffs cache at
---cache-dir, nothing is cached: CACHED shows 0 and a note says so on stderr. Give the --block-size your
-mounts and warm-ups use (default 4M), or their blocks are not found.
+--cache-dir, nothing is cached: CACHED shows 0 and a note says so on stderr. Blocks of any block size
+count (a mount or warm-up may have used another --block-size), each byte once.
 
 examples:
   pffs ls s3://datasets/imagenet/                 one level: objects and prefixes

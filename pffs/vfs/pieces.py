@@ -12,8 +12,6 @@ cache id, so its reads never find an old version's pieces.
 
 from __future__ import annotations
 
-from collections.abc import Container
-
 from pffs.backends.backend import Backend, ObjectInfo
 from pffs.cache import Block, BlockCache
 from pffs.cache.aligned import aligned_buffer
@@ -58,15 +56,3 @@ class PieceReader:
         parts[0] = parts[0][head:]
         parts[-1] = parts[-1][: end - ranges[-1][0]]
         return b"".join(parts)
-
-    def cached_bytes(self, info: ObjectInfo, block_size: int, whole_blocks: Container[int]) -> int:
-        """Bytes of the object held by its pieces on the disk tier, outside the blocks in `whole_blocks`
-        (those count as whole blocks)."""
-        total = 0
-        for key in self.cache.stored_keys(self.prefix(info)):
-            start, end = self.piece_range(info, int(key.rsplit("-", 1)[1]))
-            # A piece may straddle two blocks when the block size is no multiple of PIECE_SIZE.
-            for block in range(start // block_size, (end - 1) // block_size + 1):
-                if block not in whole_blocks:
-                    total += max(0, min(end, (block + 1) * block_size) - max(start, block * block_size))
-        return total

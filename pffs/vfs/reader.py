@@ -244,18 +244,38 @@ class ObjectReader:
         return sum(self.warm_block(info, i) for i in range(self.block_count(info)))
 
     def cached_bytes(self, info: ObjectInfo) -> int:
-        """Bytes of the object on the disk tier, in whole blocks or in the pieces random reads fetched
-        (after everything read so far is written; for the node's cache report, xattrs and `pffs du`)."""
+        """Bytes of the object on the disk tier, in blocks of any block size (a mount or warm-up may have
+        used another one) or in the pieces random reads fetched, each byte counted once (after everything
+        read so far is written; for the node's cache report, xattrs and `pffs du`). One range scan of the
+        disk index: no lookup per block, however large the object."""
         if self.cache.disk is None:
             return 0
         self.cache.wait_for_disk()
-        disk = self.cache.disk
-        blocks = {i for i in range(self.block_count(info)) if disk.contains(self.key(info, i))}
-        in_blocks = sum(end - start for start, end in map(lambda i: self.block_range(info, i), blocks))
-        return in_blocks + self.pieces.cached_bytes(info, self.block_size, blocks)
+        prefix = f"{info.cache_id}-"
+        held = sorted(
+            r for key in self.cache.stored_keys(prefix) if (r := _key_range(key[len(prefix) :], info.size))
+        )
+        total, covered_to = 0, 0
+        for start, end in held:
+            if end > covered_to:
+                total += end - max(start, covered_to)
+                covered_to = end
+        return total
 
     def cached_fraction(self, info: ObjectInfo) -> float:
         """The fraction of the object's bytes on the disk tier (see cached_bytes)."""
         if info.size == 0:
             return 1.0
         return self.cached_bytes(info) / info.size
+
+
+def _key_range(rest: str, size: int) -> tuple[int, int] | None:
+    """The bytes of an object of `size` that a cache key holds, from the key's part after the version's
+    cache id: "<block size>-<index>" (a block) or "p<piece size>-<index>" (a piece, see pieces.py)."""
+    unit, _, index = rest.partition("-")
+    try:
+        length, number = int(unit.removeprefix("p")), int(index)
+    except ValueError:
+        return None
+    start = number * length
+    return (start, min(start + length, size)) if start < size and length > 0 else None
