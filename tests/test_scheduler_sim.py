@@ -126,6 +126,31 @@ def test_stranding_weights_divide_by_gpu_count_and_double_sharing_shapes():
     assert alone.stranded(np.array([96000]), gpus, cluster.model_bits()).tolist() == [7000.0]
 
 
+def test_sharing_pods_score_coarser_where_whole_gpu_shapes_weigh():
+    cluster = cluster_of((96000, 10**6, 8, "A"))
+    mixed = pods_of(
+        *[(8000, 1, MILLI, 1, "")] * 4, (64000, 1, MILLI, 8, ""), (4000, 1, 500, 1, ""), (9000, 1, 0, 0, "")
+    )
+    # Weights as in the test above: whole-GPU shapes 4 + 1/8, the sharing one 2, the CPU-only one not counted.
+    weighted = TypicalShapes.from_pods(mixed, cluster, popularity=100).for_stranding()
+    assert weighted.whole_gpu_fraction() == pytest.approx(4.125 / 6.125)
+    policy = PffsPolicy(cluster, weighted)
+    assert policy.sharing_temperature == 2 * PffsPolicy.TEMPERATURE  # 3.5 x 0.67 is past the cap of 1
+    # One whole-GPU pod in ten (weights 1 against 9 x 2): 1 + 3.5 / 19 times the temperature.
+    few_whole = pods_of((8000, 1, MILLI, 1, ""), *[(4000, 1, 500, 1, "")] * 9)
+    few = TypicalShapes.from_pods(few_whole, cluster, popularity=100).for_stranding()
+    assert PffsPolicy(cluster, few).sharing_temperature == pytest.approx(4000 * (1 + 3.5 / 19))
+    # Sharing pods only: nothing coarser than before.
+    sharing_only = TypicalShapes.from_pods(pods_of((4000, 1, 500, 1, ""), (9000, 1, 0, 0, "")), cluster)
+    assert sharing_only.for_stranding().whole_gpu_fraction() == 0.0
+    assert PffsPolicy(cluster, sharing_only.for_stranding()).sharing_temperature == PffsPolicy.TEMPERATURE
+    # A drop of 200 milli against none: apart for a whole-GPU pod (51 / 50), tied for a sharing pod.
+    before, after = np.array([1000.0, 1000.0]), np.array([800.0, 1000.0])
+    whole_pod, sharing_pod = Pod(8000, 1, MILLI, 1, ANY_MODEL), Pod(4000, 1, 500, 1, ANY_MODEL)
+    assert policy._score(whole_pod, before, after).tolist() == [51.0, 50.0]
+    assert policy._score(sharing_pod, before, after).tolist() == [50.0, 50.0]
+
+
 def test_pffs_sees_the_gpus_a_cpu_heavy_pod_would_strand_where_fgd_does_not():
     # The trace's GPU pods need 4 cores per GPU. A 40-core CPU-only pod on node 0 (48 cores, 4 GPUs) leaves
     # 8 cores: room for one such pod (FGD's test passes) but only two of the four GPUs can ever be used.
