@@ -34,6 +34,9 @@ from pffs.scheduler.replay.simulate import ReplayResult, replay  # noqa: E402
 from pffs.scheduler.replay.traces import load_nodes, load_pods  # noqa: E402
 
 NODE_FILE = "openb_node_list_gpu_node.csv"
+# Read in place: beside this repository (../shared), else where the workplace keeps it.
+_BESIDE = REPO.parent / "shared" / "data" / "openb"
+DEFAULT_TRACES = _BESIDE if _BESIDE.is_dir() else Path("/work/shared/data/openb")
 MAIN_TRACES = ("default", "gpushare100")
 EVERY_TRACE_POLICIES = ("best-fit", "fgd", "pffs")
 # Held-out mixes (never used to tune pffs): more multi-GPU pods, other sharing shares, GPU-model constraints
@@ -183,9 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    beside = REPO.parent / "shared" / "data" / "openb"
-    default = beside if beside.is_dir() else Path("/work/shared/data/openb")
-    parser.add_argument("--traces", default=str(default), help=f"openb trace folder (default {default})")
+    parser.add_argument(
+        "--traces", default=str(DEFAULT_TRACES), help=f"openb trace folder (default {DEFAULT_TRACES})"
+    )
     parser.add_argument("--seeds", default="42-51", help="e.g. 42-51 or 42,43")
     parser.add_argument("--quick", action="store_true", help="main traces only (no every-trace comparison)")
     parser.add_argument("--mixes", default=",".join(HELD_OUT), help="held-out mixes ('' for none)")

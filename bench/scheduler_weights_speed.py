@@ -22,6 +22,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from scheduler import DEFAULT_TRACES, NODE_FILE, parse_seeds  # noqa: E402  (bench/scheduler.py)
+
 from pffs.scheduler.core.fragmentation import TypicalShapes  # noqa: E402
 from pffs.scheduler.replay.policies import POLICIES, PffsPolicy  # noqa: E402
 from pffs.scheduler.replay.simulate import replay  # noqa: E402
@@ -34,20 +36,13 @@ POLICIES[OLD_WEIGHTS] = lambda cluster, trace, rng: PffsPolicy(
 )
 
 
-def parse_seeds(text: str) -> list[int]:
-    if "-" in text:
-        first, last = text.split("-", 1)
-        return list(range(int(first), int(last) + 1))
-    return [int(s) for s in text.split(",")]
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    beside = REPO.parent / "shared" / "data" / "openb"
-    default = beside if beside.is_dir() else Path("/work/shared/data/openb")
-    parser.add_argument("--traces", default=str(default), help=f"openb trace folder (default {default})")
+    parser.add_argument(
+        "--traces", default=str(DEFAULT_TRACES), help=f"openb trace folder (default {DEFAULT_TRACES})"
+    )
     parser.add_argument("--names", default="default,multigpu30,gpushare40", help="traces to replay")
     parser.add_argument("--seeds", default="42-44", help="e.g. 42-44 or 42,43")
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "scheduler_weights_speed.json"))
@@ -59,9 +54,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--seeds: {args.seeds!r} is not like 42-44 or 42,43")
     names = [n for n in args.names.split(",") if n]
     missing = [n for n in names if not (folder / f"openb_pod_list_{n}.csv").is_file()]
-    if missing or not (folder / "openb_node_list_gpu_node.csv").is_file():
+    if missing or not (folder / NODE_FILE).is_file():
         parser.error(f"no openb trace {', '.join(missing) or 'node list'} in {folder}")
-    cluster = load_nodes(folder / "openb_node_list_gpu_node.csv")
+    cluster = load_nodes(folder / NODE_FILE)
     report = {}
     for name in names:
         trace = load_pods(folder / f"openb_pod_list_{name}.csv")

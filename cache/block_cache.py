@@ -78,10 +78,8 @@ class BlockCache:
     ) -> Block:
         """The block `key`, from memory, disk or `fetch()`. `length`, if the caller knows it, lets the disk
         tier read the block file in one call (a block of another length is corrupt)."""
-        data = self.memory.get(key)
+        data = self._from_memory(key)
         if data is not None:
-            self.stats.add("memory_hits")
-            self.stats.add("bytes_from_memory", len(data))
             return data
         return self._flight.run(
             key, lambda publish: self._load(key, fetch, keep_in_memory, publish, length, False)
@@ -114,11 +112,8 @@ class BlockCache:
         same bytes, a small piece), which keeps a run one request."""
         found: list[Block | None] = []
         for key, length in zip(keys, lengths, strict=True):
-            data = self.memory.get(key)
-            if data is not None:
-                self.stats.add("memory_hits")
-                self.stats.add("bytes_from_memory", len(data))
-            else:
+            data = self._from_memory(key)
+            if data is None:
                 data = self._from_disk(key, length)
                 if data is not None:
                     self.memory.put(key, data)
@@ -141,19 +136,9 @@ class BlockCache:
                     piece = aligned_copy(piece)
                 found[k] = piece
                 offset += lengths[k]
-                self._store_fetched(keys[k], piece)
+                self._keep_fetched(keys[k], piece)
             i = j
         return [data for data in found if data is not None]
-
-    def _store_fetched(self, key: str, data: Block) -> None:
-        """A piece fetched outside `get`: counted, kept in memory and written to disk."""
-        self.stats.add("misses")
-        self.stats.add("bytes_fetched", len(data))
-        self.memory.put(key, data)
-        if self.disk is not None:
-            written = self.disk.put_later(key, data)
-            if written is not None and in_worker_process():
-                written.result()  # see _fetch: a worker process may end at any time after
 
     def ensure_on_disk(self, key: str, fetch: Callable[[], Block]) -> bool:
         """For warm-up: stores the block on disk if it is not there yet. Returns True if it was fetched."""
@@ -189,6 +174,13 @@ class BlockCache:
             self.memory.put(key, data)
         return data
 
+    def _from_memory(self, key: str) -> Block | None:
+        data = self.memory.get(key)
+        if data is not None:
+            self.stats.add("memory_hits")
+            self.stats.add("bytes_from_memory", len(data))
+        return data
+
     def _from_disk(self, key: str, length: int | None) -> Block | None:
         if self.disk is None:
             return None
@@ -210,21 +202,35 @@ class BlockCache:
         """Fetches the block, hands it to the readers, and has it written to disk; the cross-process lock
         is released once the block is on disk, so other processes find it there."""
         data = fetch()
+        self._keep_fetched(key, data, keep_in_memory, publish, release_lock, wait_for_disk)
+        return data
+
+    def _keep_fetched(
+        self,
+        key: str,
+        data: Block,
+        keep_in_memory: bool = True,
+        publish: Callable[[Block], None] | None = None,
+        release_lock: Callable[[], None] | None = None,
+        wait_for_disk: bool = False,
+    ) -> None:
+        """A block just fetched: counted as a miss, kept in memory, handed to the readers waiting on it,
+        and written to disk (the cross-process lock, if held, released once it is there)."""
         self.stats.add("misses")
         self.stats.add("bytes_fetched", len(data))
         if keep_in_memory:
             self.memory.put(key, data)
-        publish(data)  # readers of this process go on while the block is written to disk
+        if publish is not None:
+            publish(data)  # readers of this process go on while the block is written to disk
         if self.disk is None:
             if release_lock is not None:
                 release_lock()
-            return data
+            return
         written = self.disk.put_later(key, data, then=release_lock)
         # On disk before the caller goes on: for warm-up, and in a worker process, which may end through
         # os._exit or SIGTERM at any time after (no exit hook would write what is still queued).
         if written is not None and (wait_for_disk or in_worker_process()):
             written.result()
-        return data
 
     def wait_for_disk(self) -> None:
         """Returns once every block fetched so far is on disk (or failed to get there)."""

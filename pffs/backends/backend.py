@@ -8,6 +8,7 @@ PyTorch DataLoader worker, say) does not have, so a child makes its own on first
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import errno
 import hashlib
@@ -16,7 +17,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -390,12 +391,8 @@ class S3Backend(Backend):
             return data
 
         def read() -> bytes:
-            try:
+            with _changed_if_precondition_fails(self.url(info.path)):
                 data = sync(fs.loop, get, timeout=timeout_left(BLOCKING_CALL_LIMIT_S))
-            except OSError as exc:
-                if _s3_error_code(exc) == "PreconditionFailed":
-                    raise ObjectChangedError(self.url(info.path)) from exc
-                raise
             if len(data) != end - start:
                 raise OSError(f"short read: {len(data)} of {end - start} bytes")
             return data
@@ -432,7 +429,7 @@ class S3Backend(Backend):
             return self._head_info(path, head, is_dir=False)
         except FileNotFoundError:
             pass
-        prefix = key.rstrip("/") + "/"
+        prefix = _marker_key(key)
         listed = self._call(
             "list",
             lambda: self._s3("list_objects_v2", Bucket=bucket, Prefix=prefix, Delimiter="/", MaxKeys=1),
@@ -489,12 +486,8 @@ class S3Backend(Backend):
             request["ContentType"] = info.content_type
 
         def copy() -> None:
-            try:
+            with _changed_if_precondition_fails(self.url(info.path)):
                 self._s3("copy_object", **request)
-            except OSError as exc:
-                if _s3_error_code(exc) == "PreconditionFailed":
-                    raise ObjectChangedError(self.url(info.path)) from exc
-                raise
 
         self._call("copy", copy, info.path)
         self.invalidate(info.path)
@@ -507,8 +500,12 @@ class S3Backend(Backend):
             return
         fs: Any = self.fs
         bucket, key, _ = fs.split_path(path)
-        request = {"Bucket": bucket, "Key": key.rstrip("/") + "/", "Body": b""}
-        request["ContentType"] = "application/x-directory"
+        request = {
+            "Bucket": bucket,
+            "Key": _marker_key(key),
+            "Body": b"",
+            "ContentType": "application/x-directory",
+        }
         self._call("put", lambda: self._s3("put_object", Metadata=attributes.to_metadata(), **request), path)
         self.invalidate(path)
 
@@ -518,9 +515,25 @@ class S3Backend(Backend):
         fs: Any = self.fs
         bucket, key, _ = fs.split_path(path)
         if key:
-            marker = key.rstrip("/") + "/"
+            marker = _marker_key(key)
             self._call("delete", lambda: self._s3("delete_object", Bucket=bucket, Key=marker), path)
         self.invalidate(path)
+
+
+def _marker_key(key: str) -> str:
+    """The key of a folder's marker object, `name/`."""
+    return key.rstrip("/") + "/"
+
+
+@contextlib.contextmanager
+def _changed_if_precondition_fails(url: str) -> Iterator[None]:
+    """A request pinned to a version (If-Match) that S3 refuses as PreconditionFailed: the object changed."""
+    try:
+        yield
+    except OSError as exc:
+        if _s3_error_code(exc) == "PreconditionFailed":
+            raise ObjectChangedError(url) from exc
+        raise
 
 
 def _s3_error_code(exc: BaseException) -> str | None:

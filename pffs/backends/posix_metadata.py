@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,14 +38,10 @@ class PosixAttributes:
     def to_metadata(self) -> dict[str, str]:
         """The S3 user metadata (without the x-amz-meta- prefix) that stores these attributes."""
         out: dict[str, str] = {}
-        for name in ("mode", "uid", "gid", "rdev"):
-            value = getattr(self, name)
+        for name, field, write, _ in METADATA_FIELDS:
+            value = getattr(self, field)
             if value is not None:
-                out[name] = str(value)
-        for name in ("mtime", "ctime", "atime"):
-            value = getattr(self, f"{name}_ns")
-            if value is not None:
-                out[name] = format_time(value)
+                out[name] = write(value)
         return out
 
     @classmethod
@@ -52,18 +49,11 @@ class PosixAttributes:
         """Reads what any tool wrote; a value that does not parse is ignored (logged), never fatal."""
         lowered = {k.lower(): v for k, v in metadata.items()}
         values: dict[str, int] = {}
-        for name in ("mode", "uid", "gid", "rdev"):
+        for name, field, _, parse in METADATA_FIELDS:
             raw = lowered.get(name)
             if raw is not None:
                 try:
-                    values[name] = int(raw.strip())
-                except ValueError:
-                    log.debug("ignoring metadata %s=%r", name, raw)
-        for name in ("mtime", "ctime", "atime"):
-            raw = lowered.get(name)
-            if raw is not None:
-                try:
-                    values[f"{name}_ns"] = parse_time(raw)
+                    values[field] = parse(raw)
                 except ValueError:
                     log.debug("ignoring metadata %s=%r", name, raw)
         return cls(**values)
@@ -81,3 +71,19 @@ def parse_time(raw: str) -> int:
     if not whole.lstrip("-").isdigit() or (fraction and not fraction.isdigit()):
         raise ValueError(raw)
     return int(whole) * NS + int((fraction + "000000000")[:9] or 0)
+
+
+def parse_int(raw: str) -> int:
+    return int(raw.strip())
+
+
+# Metadata name, PosixAttributes field, how the value is written, how it is read.
+METADATA_FIELDS: tuple[tuple[str, str, Callable[[int], str], Callable[[str], int]], ...] = (
+    ("mode", "mode", str, parse_int),
+    ("uid", "uid", str, parse_int),
+    ("gid", "gid", str, parse_int),
+    ("rdev", "rdev", str, parse_int),
+    ("mtime", "mtime_ns", format_time, parse_time),
+    ("ctime", "ctime_ns", format_time, parse_time),
+    ("atime", "atime_ns", format_time, parse_time),
+)

@@ -56,10 +56,15 @@ def open_cache(args: argparse.Namespace, must_exist: bool = False) -> tuple[Cach
     """The cache at --cache-dir; with `must_exist`, a folder that holds no pffs cache is an error (for the
     commands that look after a cache: they must not make an empty one)."""
     settings = cache_settings(args)
-    if must_exist and not (Path(settings.cache_dir) / "blocks").is_dir():
+    if must_exist and not has_cache(settings):
         raise OSError(
             errno.ENOENT,
             f"{settings.cache_dir}: no pffs cache here; give the --cache-dir your mounts and programs use "
             "(by default $PFFS_CACHE_DIR, else ~/.cache/pffs)",
         )
     return settings, shared_block_cache(settings)
+
+
+def has_cache(settings: CacheSettings) -> bool:
+    """Whether --cache-dir holds a pffs cache (looking makes none)."""
+    return (Path(settings.cache_dir) / "blocks").is_dir()

@@ -22,7 +22,7 @@ from typing import Any
 from pffs.backends.backend import ObjectInfo
 from pffs.backends.urls import open_backend
 from pffs.cache import BlockCache
-from pffs.cli.context import backend_options, cache_settings
+from pffs.cli.context import backend_options, cache_settings, has_cache
 from pffs.config import format_size
 from pffs.vfs import Vfs
 
@@ -134,17 +134,17 @@ def open_listing(url: str, args: argparse.Namespace) -> Iterator[Listing]:
     backend, path = open_backend(url, backend_options(args))
     root = path.rstrip("/") or path
     settings = cache_settings(args)
-    has_cache = (Path(settings.cache_dir) / "blocks").is_dir()
+    cache_here = has_cache(settings)
     # Opened as it is, bound included (not through shared_block_cache, which would store a --cache-size
     # given here as the cache's new bound); no memory tier, nothing is read. No directory: no cache made.
     cache = BlockCache(
-        settings.cache_dir if has_cache else None,
+        settings.cache_dir if cache_here else None,
         settings.cache_size,
         0,
         keep_stored_bound=True,
     )
     try:
-        yield Listing(Vfs(backend, settings, cache), root, Path(settings.cache_dir), has_cache)
+        yield Listing(Vfs(backend, settings, cache), root, Path(settings.cache_dir), cache_here)
     finally:
         cache.close()
 

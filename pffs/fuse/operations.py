@@ -321,10 +321,11 @@ class Operations(pyfuse3.Operations):
         if fields.update_size:
             await self._truncate(path, attr.st_size, self.files.get(fh) if fh is not None else None)
             info = await self._stat(path)
+        shown = self._shown(inode, info)
         change: dict[str, int] = {}
         if fields.update_mode:
-            shown_kind = stat.S_IFMT(self.attributes(inode, info).st_mode)
-            change["mode"] = shown_kind | stat.S_IMODE(attr.st_mode)
+            assert shown.mode is not None  # _shown fills every field the kernel is told
+            change["mode"] = stat.S_IFMT(shown.mode) | stat.S_IMODE(attr.st_mode)
         if fields.update_uid:
             change["uid"] = attr.st_uid
         if fields.update_gid:
@@ -334,7 +335,6 @@ class Operations(pyfuse3.Operations):
         if fields.update_atime:
             change["atime_ns"] = attr.st_atime_ns
         if change:
-            shown = self._shown(inode, info)
             await self._backend(self.ns.set_attributes, path, change, shown)
         return self.attributes(inode, await self._stat(path))
 

@@ -219,10 +219,13 @@ class Namespace:
 
     # Changing the tree
 
-    def mkdir(self, path: str, attributes: PosixAttributes | None = None) -> ObjectInfo:
-        """A new directory; with attributes (a mount that keeps them), a marker object holding them."""
+    def _must_not_exist(self, path: str) -> None:
         if self.lookup(posixpath.dirname(path), posixpath.basename(path)) is not None:
             raise FileExistsError(errno.EEXIST, f"{self.vfs.backend.url(path)} exists")
+
+    def mkdir(self, path: str, attributes: PosixAttributes | None = None) -> ObjectInfo:
+        """A new directory; with attributes (a mount that keeps them), a marker object holding them."""
+        self._must_not_exist(path)
         self.vfs.backend.make_dir(path, attributes)
         if attributes is not None:
             self.dir_attributes[path] = attributes
@@ -234,8 +237,7 @@ class Namespace:
 
     def make_special(self, path: str, attributes: PosixAttributes, content: bytes = b"") -> ObjectInfo:
         """A symlink (content: its target), a FIFO or a device file: an object whose mode says which."""
-        if self.lookup(posixpath.dirname(path), posixpath.basename(path)) is not None:
-            raise FileExistsError(errno.EEXIST, f"{self.vfs.backend.url(path)} exists")
+        self._must_not_exist(path)
         self.vfs.backend.write_bytes(path, content, attributes)
         self.forget(path)
         self.entries_changed(posixpath.dirname(path))

@@ -14,6 +14,7 @@ from collections import deque
 from concurrent.futures import Future
 
 from pffs.cache import Block
+from pffs.vfs.byte_ranges import covered_bytes
 
 MIN_RUN = 256 << 10
 DENSE_FRACTION = 2 / 3
@@ -123,10 +124,5 @@ class ReadAheadState:
     def _dense(self) -> bool:
         """Whether the recent reads cover at least DENSE_FRACTION of the stretch from the first byte of
         them to the last (reads that arrive out of order or overlap, as FUSE's do, still cover it all)."""
-        covered, reach = 0, -1
-        for start, end in sorted(self.recent):
-            if end > reach:
-                covered += end - max(start, reach)
-                reach = end
-        span = reach - min(start for start, _ in self.recent)
-        return covered >= DENSE_FRACTION * span
+        span = max(end for _, end in self.recent) - min(start for start, _ in self.recent)
+        return covered_bytes(self.recent) >= DENSE_FRACTION * span

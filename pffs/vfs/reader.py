@@ -17,6 +17,7 @@ from pffs.backends.backend import Backend, ObjectInfo
 from pffs.cache import Block, BlockCache
 from pffs.cache.aligned import aligned_buffer
 from pffs.cache.fork import after_fork_in_child
+from pffs.vfs.byte_ranges import covered_bytes
 from pffs.vfs.pieces import PieceReader
 from pffs.vfs.readahead import ReadAheadBudget, ReadAheadState
 
@@ -252,15 +253,8 @@ class ObjectReader:
             return 0
         self.cache.wait_for_disk()
         prefix = f"{info.cache_id}-"
-        held = sorted(
-            r for key in self.cache.stored_keys(prefix) if (r := _key_range(key[len(prefix) :], info.size))
-        )
-        total, covered_to = 0, 0
-        for start, end in held:
-            if end > covered_to:
-                total += end - max(start, covered_to)
-                covered_to = end
-        return total
+        held = (_key_range(key[len(prefix) :], info.size) for key in self.cache.stored_keys(prefix))
+        return covered_bytes(r for r in held if r is not None)
 
     def cached_fraction(self, info: ObjectInfo) -> float:
         """The fraction of the object's bytes on the disk tier (see cached_bytes)."""
