@@ -227,14 +227,14 @@ def test_cached_fragmentation_scores_decide_as_fresh_ones(scenario) -> None:
     a session must decide exactly as one that recomputes every score."""
     nodes, queues, groups, running = scenario
     cached = run_session(nodes, queues, groups, running)
-    original = scoring.stranded_growth
+    original = scoring.waste_growth
 
     def fresh(state, shapes, pod):
         state.score_cache.clear()
         return original(state, shapes, pod)
 
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(scoring, "stranded_growth", fresh)
+        m.setattr(scoring, "waste_growth", fresh)
         recomputed = run_session(nodes, queues, groups, running)
     assert cached == recomputed
 
@@ -711,14 +711,14 @@ def test_session_measures_stranding_with_the_trace_policys_weights() -> None:
     (``TypicalShapes.for_stranding``): multi-GPU shapes divided by their GPU count, sharing ones doubled."""
     groups = [gang("eight", 1, gpus=8, cpu=2000), gang("one", 3, gpus=1, cpu=1000), gang("half", 1, 1, 500)]
     seen: list[TypicalShapes] = []
-    original = scoring.stranded_growth
+    original = scoring.waste_growth
 
     def spy(state, shapes, pod):
         seen.append(shapes)
         return original(state, shapes, pod)
 
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(scoring, "stranded_growth", spy)
+        m.setattr(scoring, "waste_growth", spy)
         result = run_session([gpu_node("a"), gpu_node("b")], [Queue("q")], groups, [])
     assert len(result.placements) == 5 and seen
     counts = {(2000, MILLI, 8, ""): 1, (1000, MILLI, 1, ""): 3, (1000, 500, 1, ""): 1}

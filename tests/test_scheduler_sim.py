@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pffs.cli.main import main as pffs_main
-from pffs.scheduler.core.fragmentation import ANY_MODEL, TypicalShapes
+from pffs.scheduler.core.fragmentation import ANY_MODEL, NEXT_POD_WEIGHT, TypicalShapes
 from pffs.scheduler.replay import metrics
 from pffs.scheduler.replay.go_rand import GoRand
 from pffs.scheduler.replay.mixes import make_mix
@@ -100,6 +100,29 @@ def test_fgd_and_stranded_measures_by_hand():
     # 500-milli pods: slots 1 + 2 + 0 + 0 = 3 use 1500 of 1900 free; FGD: 200 on the GPU below the share.
     assert half.stranded(cpu, gpus, bits).tolist() == [400.0]
     assert half.fragmentation(cpu, gpus, bits).tolist() == [200.0]
+    # pffs's waste: what the filling strands plus NEXT_POD_WEIGHT times what the next pod cannot use.
+    assert half.waste(cpu, gpus, bits).tolist() == pytest.approx([400.0 + NEXT_POD_WEIGHT * 200.0])
+
+
+@needs_traces
+def test_waste_is_stranded_plus_the_weighted_next_pod_fragment_on_the_openb_cluster():
+    """The one-pass ``waste`` against its two parts computed apart, on random states of every openb node
+    (GPU models, CPU-only shapes and shapes that cannot run anywhere included)."""
+    cluster = load_nodes(NODES_CSV)
+    typical = TypicalShapes.from_pods(load_pods(TRACES / "openb_pod_list_default.csv"), cluster)
+    weighted = typical.for_stranding()
+    rng = np.random.default_rng(7)
+    gpus = np.minimum(cluster.gpu_free, rng.integers(0, MILLI + 1, cluster.gpu_free.shape))
+    cpu = rng.integers(-1000, 100_000, cluster.size)
+    bits = cluster.model_bits()
+    for shapes in (typical, weighted):
+        expected = shapes.stranded(cpu, gpus, bits) + NEXT_POD_WEIGHT * shapes.fragmentation(cpu, gpus, bits)
+        assert shapes.waste(cpu, gpus, bits) == pytest.approx(expected, rel=1e-12, abs=1e-9)
+    # The pffs policy measures with it.
+    pods = load_pods(TRACES / "openb_pod_list_default.csv")
+    policy = make_policy("pffs", cluster, pods, GoRand(1))
+    assert isinstance(policy, PffsPolicy)
+    assert policy._measure(cpu, gpus, bits).tolist() == weighted.waste(cpu, gpus, bits).tolist()
 
 
 def test_stranding_weights_divide_by_gpu_count_and_double_sharing_shapes():

@@ -9,11 +9,11 @@ its weight (``Weights``; 0 switches a plugin off), and takes the best node, ties
 - ``binpack``: how full the node is after the placement (GPU share for GPU pods, CPU and memory otherwise):
   fills used nodes first, so a group touches few nodes and whole nodes stay free for big pods.
 - ``fragmentation``: in the spirit of FGD (Weng et al., USENIX ATC '23), with the measure of pffs's trace
-  policy (``TypicalShapes.stranded``, which beats FGD's on the openb traces, see bench/scheduler.py): the
+  policy (``TypicalShapes.waste``, which beats FGD's on the openb traces, see bench/scheduler.py): the
   change of the GPU milli the node would strand if filled with the session's typical pod shapes (GPU slots
-  and CPU both counted; shapes weighted as the trace policy's, ``TypicalShapes.for_stranding``), squashed
-  by a sigmoid; a tight-fitting sharing pod on a partly used GPU scores
-  above one that breaks an empty GPU.
+  and CPU both counted) plus 0.55 times FGD's next-pod fragment, shapes weighted as the trace policy's
+  (``TypicalShapes.for_stranding``), squashed by a sigmoid; a tight-fitting sharing pod on a partly used
+  GPU scores above one that breaks an empty GPU.
 - ``topology``: a multi-GPU pod scores 1 where one NVLink group has its GPUs free, 0.5 where one NUMA
   domain has, 0 where they would span domains (the GPU set itself is chosen by ``choose_gpus``).
 - ``tor``: 1 under a ToR switch the group already uses; elsewhere up to 0.5, by how much of the rest of the
@@ -101,17 +101,18 @@ def fragmentation(state: ClusterState, pod: Pod, ctx: GroupContext, nodes: IntAr
     shapes = state.typical
     if shapes is None or len(nodes) == 0:
         return np.full(len(nodes), 0.5)
-    growth = stranded_growth(state, shapes, pod)[nodes]
+    growth = waste_growth(state, shapes, pod)[nodes]
     # Growth of the fragment by a whole GPU's worth costs about 0.27; a fragment filled gains as much.
     delta = np.clip(growth / MILLI, -50.0, 50.0)
     return np.asarray(1.0 / (1.0 + np.exp(delta)), dtype=np.float64)
 
 
-def stranded_growth(state: ClusterState, shapes: TypicalShapes, pod: Pod) -> FloatArray:
-    """Per node (all of them): how much placing ``pod`` there grows the GPU milli it strands. Cached per pod
-    shape and recomputed only for the nodes that changed since; values of nodes where the pod does not fit
-    are meaningless (only feasible nodes are ever scored, and a node becomes feasible only by changing)."""
-    key = ("stranded", pod.cpu_milli, pod.gpu_count, pod.gpu_milli)
+def waste_growth(state: ClusterState, shapes: TypicalShapes, pod: Pod) -> FloatArray:
+    """Per node (all of them): how much placing ``pod`` there grows its waste (``TypicalShapes.waste``).
+    Cached per pod shape and recomputed only for the nodes that changed since; values of nodes where the pod
+    does not fit are meaningless (only feasible nodes are ever scored, and a node becomes feasible only by
+    changing)."""
+    key = ("waste", pod.cpu_milli, pod.gpu_count, pod.gpu_milli)
     cached = state.score_cache.get(key)
     if cached is None:
         values, stale = np.zeros(state.n_nodes), np.arange(state.n_nodes)
@@ -120,8 +121,8 @@ def stranded_growth(state: ClusterState, shapes: TypicalShapes, pod: Pod) -> Flo
         stale = np.flatnonzero(seen != state.version)
     if cached is None or len(stale):
         bits = np.zeros(len(stale), dtype=np.int64)  # shapes accept any model (see ClusterState.typical)
-        before = shapes.stranded(state.cpu_free[stale], state.gpu_free[stale], bits)
-        after = shapes.stranded(
+        before = shapes.waste(state.cpu_free[stale], state.gpu_free[stale], bits)
+        after = shapes.waste(
             state.cpu_free[stale] - pod.cpu_milli, gpu_rows_after(state, pod, stale, tightest=True), bits
         )
         values[stale] = after - before

@@ -260,17 +260,18 @@ class PffsPolicy(FgdPolicy):
 
     FGD asks, per typical shape, whether ONE more such pod fits; a node with 16 cores and 4 free GPUs passes
     for an 11-core one-GPU shape, yet the pod strands the other 3 GPUs. Here the measure is the GPU milli a
-    node would strand if it were filled with pods of each typical shape (CPU and GPU slots both counted,
-    ``TypicalShapes.stranded``). Its drop is scored on a coarser sigmoid than FGD's (``TEMPERATURE`` milli
-    instead of 1000), so near-equal moves tie and the seed's node order packs them onto the same nodes.
+    node would strand if it were filled with pods of each typical shape (CPU and GPU slots both counted),
+    plus 0.55 times FGD's next-pod fragment for the same shapes (``TypicalShapes.waste``): the filling sees
+    the long run, the next pod what is left when the cluster is nearly full. Its drop is scored on a coarser
+    sigmoid than FGD's (``TEMPERATURE`` milli instead of 1000), so near-equal moves tie and the seed's node
+    order packs them onto the same nodes.
 
     A sharing pod's score is coarser still where whole-GPU pods carry much of the measure: up to twice the
     temperature, in step with the whole-GPU shapes' part of the weight (``TypicalShapes.whole_gpu_fraction``
     times ``SHARING_COARSENING``, capped at 1). There the whole-GPU term already tells a broken GPU from a
     whole one, and letting the finer differences of the sharing terms tie packs sharing pods onto the nodes
-    the seed ranks first (openb, seeds 42-51, pffs - FGD at 100%: gpushare40 +0.09 -> +0.19, multigpu30
-    +0.18 -> +0.34, default +0.42 -> +0.53). On a sharing-only trace nothing changes (fraction 0): there
-    the sharing terms are all the measure has, and a coarser score lost 0.3 points on gpushare100.
+    the seed ranks first. On a sharing-only trace nothing changes (fraction 0): there the sharing terms are
+    all the measure has. The README's ablation gives each part's contribution.
     """
 
     name = "pffs"
@@ -286,7 +287,7 @@ class PffsPolicy(FgdPolicy):
         self.sharing_temperature = self.TEMPERATURE * (1.0 + coarser)
 
     def _measure(self, cpu_free: IntArray, gpu_free: IntArray, model_bits: IntArray) -> np.ndarray:
-        return self.typical.stranded(cpu_free, gpu_free, model_bits)
+        return self.typical.waste(cpu_free, gpu_free, model_bits)
 
     def _score(self, pod: Pod, before: np.ndarray, after: np.ndarray) -> np.ndarray:
         temperature = self.sharing_temperature if pod.is_sharing else self.TEMPERATURE
