@@ -44,6 +44,7 @@ import s3fs
 
 from pffs.config import parse_size
 from pffs.testing.s3_server import SeaweedS3
+from pffs.vfs.byte_ranges import covered_bytes
 
 BUCKET = "bench-sparse"
 COLUMNS = [f"c{i}" for i in range(6)]
@@ -78,16 +79,6 @@ def column_chunk_bytes(data: bytes, columns: list[str]) -> int:
         for rg in range(meta.num_row_groups)
         for name in columns
     )
-
-
-def covered_bytes(ranges: list[tuple[int, int]]) -> int:
-    """Bytes in the union of [start, end) ranges."""
-    total, reach = 0, 0
-    for start, end in sorted(ranges):
-        if end > reach:
-            total += end - max(start, reach)
-            reach = end
-    return total
 
 
 def pffs_filesystem(s3: SeaweedS3, cache_dir: Path, block_size: str) -> Any:

@@ -109,7 +109,8 @@ def test_waste_is_stranded_plus_the_weighted_next_pod_fragment_on_the_openb_clus
     """The one-pass ``waste`` against its two parts computed apart, on random states of every openb node
     (GPU models, CPU-only shapes and shapes that cannot run anywhere included)."""
     cluster = load_nodes(NODES_CSV)
-    typical = TypicalShapes.from_pods(load_pods(TRACES / "openb_pod_list_default.csv"), cluster)
+    pods = load_pods(TRACES / "openb_pod_list_default.csv")
+    typical = TypicalShapes.from_pods(pods, cluster)
     weighted = typical.for_stranding()
     rng = np.random.default_rng(7)
     gpus = np.minimum(cluster.gpu_free, rng.integers(0, MILLI + 1, cluster.gpu_free.shape))
@@ -119,7 +120,6 @@ def test_waste_is_stranded_plus_the_weighted_next_pod_fragment_on_the_openb_clus
         expected = shapes.stranded(cpu, gpus, bits) + NEXT_POD_WEIGHT * shapes.fragmentation(cpu, gpus, bits)
         assert shapes.waste(cpu, gpus, bits) == pytest.approx(expected, rel=1e-12, abs=1e-9)
     # The pffs policy measures with it.
-    pods = load_pods(TRACES / "openb_pod_list_default.csv")
     policy = make_policy("pffs", cluster, pods, GoRand(1))
     assert isinstance(policy, PffsPolicy)
     assert policy._measure(cpu, gpus, bits).tolist() == weighted.waste(cpu, gpus, bits).tolist()

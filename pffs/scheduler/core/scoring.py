@@ -11,9 +11,9 @@ its weight (``Weights``; 0 switches a plugin off), and takes the best node, ties
 - ``fragmentation``: in the spirit of FGD (Weng et al., USENIX ATC '23), with the measure of pffs's trace
   policy (``TypicalShapes.waste``, which beats FGD's on the openb traces, see bench/scheduler.py): the
   change of the GPU milli the node would strand if filled with the session's typical pod shapes (GPU slots
-  and CPU both counted) plus 0.55 times FGD's next-pod fragment, shapes weighted as the trace policy's
-  (``TypicalShapes.for_stranding``), squashed by a sigmoid; a tight-fitting sharing pod on a partly used
-  GPU scores above one that breaks an empty GPU.
+  and CPU both counted) plus ``NEXT_POD_WEIGHT`` times FGD's next-pod fragment, shapes weighted as the
+  trace policy's (``TypicalShapes.for_stranding``), squashed by a sigmoid; a tight-fitting sharing pod on a
+  partly used GPU scores above one that breaks an empty GPU.
 - ``topology``: a multi-GPU pod scores 1 where one NVLink group has its GPUs free, 0.5 where one NUMA
   domain has, 0 where they would span domains (the GPU set itself is chosen by ``choose_gpus``).
 - ``tor``: 1 under a ToR switch the group already uses; elsewhere up to 0.5, by how much of the rest of the

@@ -261,10 +261,10 @@ class PffsPolicy(FgdPolicy):
     FGD asks, per typical shape, whether ONE more such pod fits; a node with 16 cores and 4 free GPUs passes
     for an 11-core one-GPU shape, yet the pod strands the other 3 GPUs. Here the measure is the GPU milli a
     node would strand if it were filled with pods of each typical shape (CPU and GPU slots both counted),
-    plus 0.55 times FGD's next-pod fragment for the same shapes (``TypicalShapes.waste``): the filling sees
-    the long run, the next pod what is left when the cluster is nearly full. Its drop is scored on a coarser
-    sigmoid than FGD's (``TEMPERATURE`` milli instead of 1000), so near-equal moves tie and the seed's node
-    order packs them onto the same nodes.
+    plus ``NEXT_POD_WEIGHT`` times FGD's next-pod fragment for the same shapes (``TypicalShapes.waste``):
+    the filling sees the long run, the next pod what is left when the cluster is nearly full. Its drop is
+    scored on a coarser sigmoid than FGD's (``TEMPERATURE`` milli instead of 1000), so near-equal moves tie
+    and the seed's node order packs them onto the same nodes.
 
     A sharing pod's score is coarser still where whole-GPU pods carry much of the measure: up to twice the
     temperature, in step with the whole-GPU shapes' part of the weight (``TypicalShapes.whole_gpu_fraction``
