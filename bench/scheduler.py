@@ -42,7 +42,19 @@ EVERY_TRACE_POLICIES = ("best-fit", "fgd", "pffs")
 # Held-out mixes: more multi-GPU pods, other sharing shares, GPU-model constraints (none in the published
 # traces) and fewer / more CPU-only pods. pffs's parameters were chosen on the published traces; the first
 # nine mixes were replayed beside them while the next-pod weight (``NEXT_POD_WEIGHT``) was screened, the
-# last seven were made after it was fixed (FRESH_HELD_OUT), so they are the test no choice has seen.
+# next seven were made after it was fixed (FRESH_HELD_OUT) and were then seen while the rare scarce shapes
+# (``RARE_SHAPE_HOSTS``, ``TypicalShapes.scarcity``) were screened; the last eight were named before that
+# change was replayed on any of them (UNSEEN_HELD_OUT), so they are the test no choice has seen.
+UNSEEN_HELD_OUT = (
+    "multigpu45",
+    "multigpu60",
+    "gpushare35",
+    "gpushare55",
+    "gpushare85",
+    "gpuspec40",
+    "nongpu10",
+    "nongpu25",
+)
 FRESH_HELD_OUT = (
     "multigpu35",
     "multigpu50",
@@ -63,6 +75,7 @@ HELD_OUT = (
     "nongpu5",
     "nongpu30",
     *FRESH_HELD_OUT,
+    *UNSEEN_HELD_OUT,
 )
 # Weng et al., USENIX ATC '23: mean over seeds 42-51 of alloc at 100% / 130% arrived (SCHED_PROTOCOL.md).
 PUBLISHED = {
@@ -252,14 +265,18 @@ def main(argv: list[str] | None = None) -> int:
         pffs, best_fit, fgd = policies["pffs"], policies["best-fit"], policies["fgd"]
         verdict[trace_name] = {
             "held_out": trace_name in mixes,
-            "fresh": trace_name in FRESH_HELD_OUT,  # made after pffs's parameters were fixed
+            "fresh": trace_name in FRESH_HELD_OUT,  # made after the next-pod weight was fixed
+            "unseen": trace_name in UNSEEN_HELD_OUT,  # named before the rare shapes were replayed on it
             "pffs_minus_best_fit_at_100": round(pffs["alloc_at_100"] - best_fit["alloc_at_100"], 3),
             "pffs_minus_fgd_at_100": round(pffs["alloc_at_100"] - fgd["alloc_at_100"], 3),
             "pffs_minus_fgd_at_130": round(pffs["alloc_at_130"] - fgd["alloc_at_130"], 3),
         }
-    print("\npffs - best-fit at 100%, pffs - FGD at 100% / 130% (points; * held out, ** made after tuning):")
+    print(
+        "\npffs - best-fit at 100%, pffs - FGD at 100% / 130% (points; * held out, ** made after the "
+        "next-pod weight, *** named before the rare shapes were replayed):"
+    )
     for trace_name, v in verdict.items():
-        mark = "**" if v["fresh"] else "* " if v["held_out"] else "  "
+        mark = "***" if v["unseen"] else "** " if v["fresh"] else "*  " if v["held_out"] else "   "
         print(
             f"  {trace_name:<13}{mark} {v['pffs_minus_best_fit_at_100']:+.2f}   "
             f"{v['pffs_minus_fgd_at_100']:+.2f} / {v['pffs_minus_fgd_at_130']:+.2f}"
@@ -274,6 +291,7 @@ def main(argv: list[str] | None = None) -> int:
         "seeds": seeds,
         "held_out_mixes": mixes,
         "fresh_held_out_mixes": [m for m in mixes if m in FRESH_HELD_OUT],
+        "unseen_held_out_mixes": [m for m in mixes if m in UNSEEN_HELD_OUT],
         "machine": {"cpus": 2, "python": platform.python_version()},
         "seconds": round(elapsed, 1),
         "published": PUBLISHED,

@@ -119,10 +119,24 @@ def test_waste_is_stranded_plus_the_weighted_next_pod_fragment_on_the_openb_clus
     for shapes in (typical, weighted):
         expected = shapes.stranded(cpu, gpus, bits) + NEXT_POD_WEIGHT * shapes.fragmentation(cpu, gpus, bits)
         assert shapes.waste(cpu, gpus, bits) == pytest.approx(expected, rel=1e-12, abs=1e-9)
-    # The pffs policy measures with it.
+    # The pffs policy measures with it, over FGD's shapes and the 8-GPU 120-core ones only the 39 nodes of
+    # 128 cores can run (5 such pods in default: about a seventh of those nodes' GPUs).
     policy = make_policy("pffs", cluster, pods, GoRand(1))
+    nodes = cluster.capacities()
+    pffs_shapes = TypicalShapes.from_pods(pods, cluster, nodes=nodes)
     assert isinstance(policy, PffsPolicy)
-    assert policy._measure(cpu, gpus, bits).tolist() == weighted.waste(cpu, gpus, bits).tolist()
+    assert (
+        policy._measure(cpu, gpus, bits).tolist()
+        == pffs_shapes.for_stranding(nodes).waste(cpu, gpus, bits).tolist()
+    )
+    rare = (pffs_shapes.count == 8) & (pffs_shapes.cpu >= 120_000)
+    assert (
+        len(pffs_shapes) > len(typical)
+        and rare.any()
+        and not ((typical.count == 8) & (typical.cpu >= 120_000)).any()
+    )
+    assert set(pffs_shapes.hosts(nodes)[rare].tolist()) == {39}
+    assert all(1.0 < s < cluster.size / 39 for s in pffs_shapes.scarcity(nodes)[rare].tolist())
 
 
 def test_stranding_weights_divide_by_gpu_count_and_double_sharing_shapes():
@@ -147,6 +161,35 @@ def test_stranding_weights_divide_by_gpu_count_and_double_sharing_shapes():
     gpus = np.array([[0] + [MILLI] * 7])
     alone = TypicalShapes.from_pods(pods_of((64000, 1, MILLI, 8, "")), cluster).for_stranding()
     assert alone.stranded(np.array([96000]), gpus, cluster.model_bits()).tolist() == [7000.0]
+
+
+def test_pffs_keeps_rare_shapes_few_nodes_can_run_and_weighs_them_by_how_full_they_would_make_them():
+    # Two of twenty 8-GPU nodes have 128 cores: only they run the 8-GPU pod with 120 cores.
+    cluster = cluster_of(*[(96000, 10**6, 8, "A")] * 18, *[(128000, 10**6, 8, "A")] * 2)
+    nodes = cluster.capacities()
+    trace = pods_of(
+        *[(8000, 1, MILLI, 1, "")] * 97,
+        (120000, 1, MILLI, 8, ""),
+        (4000, 1, 500, 1, ""),
+        (4000, 1, MILLI, 1, "B"),
+    )
+    fgd = TypicalShapes.from_pods(trace, cluster)
+    assert fgd.count.tolist() == [1] and fgd.pods == 100  # FGD's: 97 of 100 pods cover 95%
+    # pffs's add the big pod's shape (2 hosts of 20), not the sharing one (any node) nor one naming a model.
+    pffs = TypicalShapes.from_pods(trace, cluster, nodes=nodes)
+    assert list(zip(pffs.cpu.tolist(), pffs.count.tolist(), strict=True)) == [(8000, 1), (120000, 8)]
+    assert pffs.prob.tolist() == pytest.approx([97 / 98, 1 / 98])
+    assert pffs.hosts(nodes).tolist() == [20, 2]
+    # Its expected pods (1/98 of 100) ask for 8.16 of its hosts' 16 GPUs: half the 10-fold scarcity counts.
+    pressure = (100 / 98) * 8 / 16
+    assert pffs.scarcity(nodes).tolist() == pytest.approx([1.0, 1 + 9 * pressure])
+    weights = pffs.for_stranding(nodes).prob
+    assert weights[1] / weights[0] == pytest.approx((1 / 8) * (1 + 9 * pressure) / 97)
+    # As many of them as their hosts hold, or more: the full ten-fold.
+    crowded = pods_of(*[(8000, 1, MILLI, 1, "")] * 40, *[(120000, 1, MILLI, 8, "")] * 2)
+    assert TypicalShapes.from_pods(crowded, cluster, nodes=nodes).scarcity(nodes).tolist() == [1.0, 10.0]
+    # Without the cluster's nodes (FGD, tests above), the weights are as before.
+    assert pffs.for_stranding().prob[1] / pffs.for_stranding().prob[0] == pytest.approx((1 / 8) / 97)
 
 
 def test_sharing_pods_score_coarser_where_whole_gpu_shapes_weigh():

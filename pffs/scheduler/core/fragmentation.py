@@ -39,6 +39,8 @@ SHARING_WEIGHT = 2.0
 # published traces (seeds 42-51, see README): every one beat FGD by 0.2 points or more from 0.5 to 0.7,
 # with steep drops outside (0.35: +0.06 on gpushare100; 0.75: +0.09 on gpushare40).
 NEXT_POD_WEIGHT = 0.55
+# pffs's shapes: FGD's, and every rarer GPU shape (any model) that at most this part of the nodes can run
+RARE_SHAPE_HOSTS = 0.1
 
 
 class PodColumns(Protocol):
@@ -61,6 +63,15 @@ class ModelMasks(Protocol):
 
 
 @dataclass(frozen=True)
+class NodeCapacities:
+    """What each node of the cluster offers when empty: CPU milli, GPUs, its GPU model's bit (0: none)."""
+
+    cpu: IntArray
+    gpus: IntArray
+    model_bits: IntArray
+
+
+@dataclass(frozen=True)
 class TypicalShapes:
     """The most frequent pod shapes of a trace and their renormalised probabilities."""
 
@@ -69,18 +80,24 @@ class TypicalShapes:
     count: IntArray
     model_mask: IntArray
     prob: FloatArray
+    pods: int = 0  # the pods the shapes were counted from (``prob * pods``: how many of each to expect)
 
     @classmethod
     def from_pods(
-        cls, pods: PodColumns, cluster: ModelMasks, popularity: int = DEFAULT_POPULARITY
+        cls,
+        pods: PodColumns,
+        cluster: ModelMasks,
+        popularity: int = DEFAULT_POPULARITY,
+        nodes: NodeCapacities | None = None,
     ) -> TypicalShapes:
         """Shapes (cpu, share, count, gpu_spec) by descending frequency, CPU-only ones included, until they
-        cover ``popularity`` percent of the pods; probabilities renormalised over the shapes kept."""
+        cover ``popularity`` percent of the pods; probabilities renormalised over the shapes kept. With
+        ``nodes``, the rare shapes that few of them can run too (``from_counts``)."""
         counts = Counter(
             zip(pods.cpu.tolist(), pods.share.tolist(), pods.count.tolist(), pods.specs, strict=True)
         )
         return cls.from_counts(
-            counts, lambda spec: cluster.model_mask(spec) if spec else ANY_MODEL, popularity
+            counts, lambda spec: cluster.model_mask(spec) if spec else ANY_MODEL, popularity, nodes
         )
 
     @classmethod
@@ -89,11 +106,26 @@ class TypicalShapes:
         counts: Mapping[tuple[int, int, int, str], int],
         model_mask: Callable[[str], int],
         popularity: int = DEFAULT_POPULARITY,
+        nodes: NodeCapacities | None = None,
     ) -> TypicalShapes:
         """The typical shapes of pods counted by (cpu, share, count, gpu_spec); ``model_mask`` turns a spec
-        into model bits. Equal counts rank in descending shape order, as the reference simulator sorts."""
+        into model bits. Equal counts rank in descending shape order, as the reference simulator sorts.
+
+        With ``nodes`` (pffs), every rarer GPU shape that accepts any model and that at most
+        ``RARE_SHAPE_HOSTS`` of the nodes can run joins FGD's, and each kept shape's probability is its
+        share of the kept pods. On openb that is the 8-GPU pod with 120 cores: under 1% of the pods, it
+        fits only the 39 nodes of 128 cores, and left out, nothing in the measure keeps those free for it."""
         ranked = sorted(counts.items(), key=lambda kv: (kv[1], kv[0]), reverse=True)
         total = float(sum(counts.values()))
+        if nodes is not None:
+            typical = cls.from_counts(counts, model_mask, popularity)
+            rare = cls._of([shape for shape, _ in ranked[len(typical) :]], model_mask)
+            scarce = (rare.share > 0) & (rare.model_mask == ANY_MODEL)
+            scarce &= rare.hosts(nodes) <= RARE_SHAPE_HOSTS * len(nodes.cpu)
+            shapes = [shape for shape, _ in ranked[: len(typical)]]
+            shapes += [shape for (shape, _), add in zip(ranked[len(typical) :], scarce, strict=True) if add]
+            share = float(sum(counts[s] for s in shapes))
+            return replace(cls._of(shapes, model_mask, [counts[s] / share for s in shapes]), pods=int(total))
         expected = float(popularity) * total / 100.0
         kept = 0
         covered = 0.0
@@ -104,21 +136,30 @@ class TypicalShapes:
             prob = [(c / total) / (covered / total) for _, c in ranked[:kept]]
         else:
             prob = [c / total for _, c in ranked]
-        shapes = [shape for shape, _ in ranked[:kept]]
+        return replace(cls._of([shape for shape, _ in ranked[:kept]], model_mask, prob), pods=int(total))
+
+    @classmethod
+    def _of(
+        cls,
+        shapes: list[tuple[int, int, int, str]],
+        model_mask: Callable[[str], int],
+        prob: list[float] | None = None,
+    ) -> TypicalShapes:
         return cls(
             np.array([s[0] for s in shapes], np.int64),
             np.array([s[1] for s in shapes], np.int64),
             np.array([s[2] for s in shapes], np.int64),
             np.array([model_mask(s[3]) for s in shapes], np.int64),
-            np.array(prob, np.float64),
+            np.array(prob if prob is not None else [0.0] * len(shapes), np.float64),
         )
 
     def __len__(self) -> int:
         return len(self.prob)
 
-    def for_stranding(self) -> TypicalShapes:
+    def for_stranding(self, nodes: NodeCapacities | None = None) -> TypicalShapes:
         """The same shapes weighted for ``stranded``: a shape's frequency divided by its GPU count, a sharing
-        shape's doubled, renormalised.
+        shape's doubled, and with ``nodes`` a GPU shape's raised where its hosts are scarce
+        (``scarcity``), renormalised.
 
         ``stranded`` asks how much of a node each shape, filling it alone, would leave unused. A k-GPU shape
         leaves ALL the free GPUs of a node with fewer than k free, so at its pod frequency its term swamps
@@ -129,8 +170,42 @@ class TypicalShapes:
         """
         sharing = (self.share > 0) & (self.share < MILLI)
         weight = self.prob / np.maximum(self.count, 1) * np.where(sharing, SHARING_WEIGHT, 1.0)
+        if nodes is not None:
+            weight = weight * np.where(self.share > 0, self.scarcity(nodes), 1.0)
         total = weight.sum()
         return replace(self, prob=weight / total if total > 0 else weight)
+
+    def hosts(self, nodes: NodeCapacities) -> IntArray:
+        """Per shape: the nodes that could run one of its pods when empty (CPU, GPUs, an accepted model)."""
+        return np.asarray(self._host_mask(nodes).sum(axis=1), dtype=np.int64)
+
+    def _host_mask(self, nodes: NodeCapacities) -> np.ndarray:
+        model_ok = ((nodes.model_bits[None, :] & self.model_mask[:, None]) != 0) | (
+            self.model_mask[:, None] == ANY_MODEL
+        )
+        return (
+            (nodes.cpu[None, :] >= self.cpu[:, None])
+            & (nodes.gpus[None, :] >= self.count[:, None])
+            & model_ok
+        )
+
+    def scarcity(self, nodes: NodeCapacities) -> FloatArray:
+        """Per shape, how much more its stranding counts because few nodes can run it: 1 + (the nodes over
+        its hosts - 1) x its pressure, the GPUs its expected pods (``prob * pods``) ask for over the GPUs
+        of its hosts, capped at 1.
+
+        On openb an 8-GPU pod with 120 cores fits 39 of the 1213 nodes (31 times fewer), one with 64-88
+        cores about 610 (2), a one-GPU pod nearly any (1). Where such pods would fill their hosts the
+        measure must keep those hosts for them, or small pods take the nodes and the big pods fail before
+        the cluster is full (openb multigpu30, seeds 42-51: 1.0 points of the GPU demand lost before 90%
+        had arrived, FGD 0.0). Where they are few (gpushare80: 0.1 of 39 nodes' worth), keeping their
+        hosts apart costs more than it saves (0.15 points against FGD in a screen of seeds 42-51)."""
+        hosting = self._host_mask(nodes)
+        hosts = np.maximum(hosting.sum(axis=1), 1)
+        host_gpus = np.maximum((hosting * nodes.gpus[None, :]).sum(axis=1), 1)
+        demand = self.prob * self.pods * np.maximum(self.count, 1) * self.share / MILLI
+        pressure = np.minimum(1.0, demand / host_gpus)
+        return np.asarray(1.0 + (len(nodes.cpu) / hosts - 1.0) * pressure, dtype=np.float64)
 
     def whole_gpu_fraction(self) -> float:
         """The whole-GPU shapes' part of the weight on GPU shapes (sharing shapes the rest): 0 on a trace

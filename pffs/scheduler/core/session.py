@@ -47,7 +47,7 @@ import numpy as np
 
 from pffs.scheduler.core import scoring
 from pffs.scheduler.core.arrays import BoolArray, FloatArray
-from pffs.scheduler.core.fragmentation import ANY_MODEL, TypicalShapes
+from pffs.scheduler.core.fragmentation import ANY_MODEL, NodeCapacities, TypicalShapes
 from pffs.scheduler.core.objects import (
     MILLI,
     RESOURCE_NAMES,
@@ -190,8 +190,9 @@ class _Session:
         self.state.typical = self._typical_shapes()
 
     def _typical_shapes(self) -> TypicalShapes | None:
-        """The session's pod shapes by frequency (FGD's 'typical pods'), any GPU model accepted, weighted
-        for the stranded-GPU measure (``TypicalShapes.for_stranding``) as the trace policy's are."""
+        """The session's pod shapes by frequency (FGD's 'typical pods', and the rare ones few nodes can run),
+        any GPU model accepted, weighted for the stranded-GPU measure (``TypicalShapes.for_stranding``) as
+        the trace policy's are."""
         counts = Counter(
             (p.cpu_milli, p.gpu_milli if uses_gpus(p) else 0, p.gpu_count if uses_gpus(p) else 0, "")
             for g in self.groups.values()
@@ -199,7 +200,8 @@ class _Session:
         )
         if not any(share for _, share, _, _ in counts):
             return None
-        return TypicalShapes.from_counts(counts, lambda spec: ANY_MODEL).for_stranding()
+        nodes = NodeCapacities(self.state.cpu_cap, self.state.gpu_count, np.zeros_like(self.state.gpu_count))
+        return TypicalShapes.from_counts(counts, lambda spec: ANY_MODEL, nodes=nodes).for_stranding(nodes)
 
     # --- scoring and placing -------------------------------------------------------------------------
 

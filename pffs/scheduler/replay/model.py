@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
-from pffs.scheduler.core.fragmentation import ANY_MODEL
+from pffs.scheduler.core.fragmentation import ANY_MODEL, NodeCapacities
 
 MILLI = 1000
 
@@ -95,6 +95,10 @@ class Cluster:
     def model_bits(self) -> IntArray:
         """Each node's model as one bit (0 for a node without GPUs), to test against a pod's model_mask."""
         return np.where(self.gpu_model >= 0, np.left_shift(1, np.maximum(self.gpu_model, 0)), 0)
+
+    def capacities(self) -> NodeCapacities:
+        """What each node offers when empty (for ``TypicalShapes``' scarcity)."""
+        return NodeCapacities(self.cpu_capacity, self.gpu_count, self.model_bits())
 
     def model_mask(self, spec: str) -> int:
         """A ``gpu_spec`` such as ``"V100M16|V100M32"`` as bits of this cluster's models; empty: any model."""

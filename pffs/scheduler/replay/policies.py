@@ -309,7 +309,10 @@ POLICIES: dict[str, PolicyFactory] = {
     "best-fit": lambda cluster, trace, rng: BestFitPolicy(),
     "fgd": lambda cluster, trace, rng: FgdPolicy(cluster, TypicalShapes.from_pods(trace, cluster)),
     "pffs": lambda cluster, trace, rng: PffsPolicy(
-        cluster, TypicalShapes.from_pods(trace, cluster).for_stranding()
+        cluster,
+        TypicalShapes.from_pods(trace, cluster, nodes=cluster.capacities()).for_stranding(
+            cluster.capacities()
+        ),
     ),
 }
 
