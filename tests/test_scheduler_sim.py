@@ -188,6 +188,10 @@ def test_pffs_keeps_rare_shapes_few_nodes_can_run_and_weighs_them_by_how_full_th
     # As many of them as their hosts hold, or more: the full ten-fold.
     crowded = pods_of(*[(8000, 1, MILLI, 1, "")] * 40, *[(120000, 1, MILLI, 8, "")] * 2)
     assert TypicalShapes.from_pods(crowded, cluster, nodes=nodes).scarcity(nodes).tolist() == [1.0, 10.0]
+    # The same pods naming the GPU model: as few hosts, but the measure already sees which nodes they may use.
+    named = pods_of(*[(8000, 1, MILLI, 1, "")] * 40, *[(120000, 1, MILLI, 8, "A")] * 2)
+    shapes = TypicalShapes.from_pods(named, cluster, popularity=100, nodes=nodes)
+    assert shapes.hosts(nodes).tolist() == [20, 2] and shapes.scarcity(nodes).tolist() == [1.0, 1.0]
     # Without the cluster's nodes (FGD, tests above), the weights are as before.
     assert pffs.for_stranding().prob[1] / pffs.for_stranding().prob[0] == pytest.approx((1 / 8) / 97)
 
