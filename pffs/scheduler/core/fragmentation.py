@@ -10,7 +10,8 @@ then the categories added in a fixed order) so that F is the same float64 there 
 integer cut of sigmoid(dF / 1000), and a dF of exactly 0 (score 50) against a dF of 1e-13 (score 49) decides
 ties.
 
-pffs's own measure, ``waste``, adds to it what filling a node with each shape would strand (``stranded``).
+pffs's own measure, ``waste``, adds to it what filling a node with each shape would strand (``stranded``),
+over FGD's shapes and the rare ones that few nodes can run (``from_counts`` and ``scarcity`` with ``nodes``).
 Both floors above use them: the session's fragmentation score (``waste``, through ``scoring.py``) and the
 trace replay's policies (FGD's ``fragmentation``, pffs's ``waste``). It reads plain arrays, so the replay's
 ``PodList`` and ``Cluster`` come in by shape (``PodColumns``, ``ModelMasks``) and nothing here imports them.
@@ -198,9 +199,10 @@ class TypicalShapes:
         On openb an 8-GPU pod with 120 cores fits 39 of the 1213 nodes (31 times fewer), one with 64-88
         cores about 610 (2), a one-GPU pod nearly any (1). Where such pods would fill their hosts the
         measure must keep those hosts for them, or small pods take the nodes and the big pods fail before
-        the cluster is full (openb multigpu30, seeds 42-51: 1.0 points of the GPU demand lost before 90%
-        had arrived, FGD 0.0). Where they are few (gpushare80: 0.1 of 39 nodes' worth), keeping their
-        hosts apart costs more than it saves (0.15 points against FGD in a screen of seeds 42-51)."""
+        the cluster is full (openb multigpu30, seeds 42-51: 0.95 points of the GPU demand lost before 90%
+        had arrived without this, 0.03 with it, FGD 0.00). Where they are few (gpushare80: one such pod,
+        3% of those nodes' GPUs), keeping their hosts apart costs more than it saves (0.16 points against
+        FGD in a screen of seeds 42-51 with the scarcity in full)."""
         hosting = self._host_mask(nodes)
         hosts = np.maximum(hosting.sum(axis=1), 1)
         host_gpus = np.maximum((hosting * nodes.gpus[None, :]).sum(axis=1), 1)

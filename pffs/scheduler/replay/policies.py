@@ -262,7 +262,9 @@ class PffsPolicy(FgdPolicy):
     for an 11-core one-GPU shape, yet the pod strands the other 3 GPUs. Here the measure is the GPU milli a
     node would strand if it were filled with pods of each typical shape (CPU and GPU slots both counted),
     plus ``NEXT_POD_WEIGHT`` times FGD's next-pod fragment for the same shapes (``TypicalShapes.waste``):
-    the filling sees the long run, the next pod what is left when the cluster is nearly full. Its drop is
+    the filling sees the long run, the next pod what is left when the cluster is nearly full. The shapes
+    are FGD's and the rare ones few nodes can run, weighted up where their pods would fill those nodes
+    (``TypicalShapes.from_counts`` and ``scarcity`` with the cluster's ``capacities``). Its drop is
     scored on a coarser sigmoid than FGD's (``TEMPERATURE`` milli instead of 1000), so near-equal moves tie
     and the seed's node order packs them onto the same nodes.
 
