@@ -706,14 +706,10 @@ def test_simulation_locality_reads_warm_from_the_node_that_holds_the_dataset() -
     assert on.data_seconds_mean < off.data_seconds_mean
 
 
-def test_session_keeps_the_rare_shape_only_its_few_big_nodes_can_run() -> None:
-    """The session builds its shapes as the trace policy does from its own nodes: the 8-GPU, 120-core pod
-    is rarer than FGD's shapes reach, but only one node of twenty can run it, so it joins them at full
-    scarcity (its one pod asks for all 8 of that node's GPUs)."""
-    nodes = [gpu_node(f"n{i:02}", cpu=96_000) for i in range(19)] + [gpu_node("big", cpu=128_000)]
-    groups = [gang(f"one{i}", 1, gpus=1, cpu=8000) for i in range(40)] + [
-        gang("eight", 1, gpus=8, cpu=120_000)
-    ]
+def session_with_shapes_seen(
+    nodes: list[Node], groups: list[PodGroup]
+) -> tuple[SessionResult, list[TypicalShapes]]:
+    """A session of ``groups`` on ``nodes``, and the typical shapes its fragmentation score was given."""
     seen: list[TypicalShapes] = []
     original = scoring.waste_growth
 
@@ -723,7 +719,18 @@ def test_session_keeps_the_rare_shape_only_its_few_big_nodes_can_run() -> None:
 
     with pytest.MonkeyPatch.context() as m:
         m.setattr(scoring, "waste_growth", spy)
-        result = run_session(nodes, [Queue("q")], groups, [])
+        return run_session(nodes, [Queue("q")], groups, []), seen
+
+
+def test_session_keeps_the_rare_shape_only_its_few_big_nodes_can_run() -> None:
+    """The session builds its shapes as the trace policy does from its own nodes: the 8-GPU, 120-core pod
+    is rarer than FGD's shapes reach, but only one node of twenty can run it, so it joins them at full
+    scarcity (its one pod asks for all 8 of that node's GPUs)."""
+    nodes = [gpu_node(f"n{i:02}", cpu=96_000) for i in range(19)] + [gpu_node("big", cpu=128_000)]
+    groups = [gang(f"one{i}", 1, gpus=1, cpu=8000) for i in range(40)] + [
+        gang("eight", 1, gpus=8, cpu=120_000)
+    ]
+    result, seen = session_with_shapes_seen(nodes, groups)
     assert seen and {p.pod.name: p.node for p in result.placements}.get("eight-0") == "big"
     shapes = seen[0]
     assert sorted(zip(shapes.cpu.tolist(), shapes.count.tolist(), strict=True)) == [(8000, 1), (120_000, 8)]
@@ -736,16 +743,7 @@ def test_session_measures_stranding_with_the_trace_policys_weights() -> None:
     """The gang session's fragmentation score uses the typical shapes weighted as the trace policy's
     (``TypicalShapes.for_stranding``): multi-GPU shapes divided by their GPU count, sharing ones doubled."""
     groups = [gang("eight", 1, gpus=8, cpu=2000), gang("one", 3, gpus=1, cpu=1000), gang("half", 1, 1, 500)]
-    seen: list[TypicalShapes] = []
-    original = scoring.waste_growth
-
-    def spy(state, shapes, pod):
-        seen.append(shapes)
-        return original(state, shapes, pod)
-
-    with pytest.MonkeyPatch.context() as m:
-        m.setattr(scoring, "waste_growth", spy)
-        result = run_session([gpu_node("a"), gpu_node("b")], [Queue("q")], groups, [])
+    result, seen = session_with_shapes_seen([gpu_node("a"), gpu_node("b")], groups)
     assert len(result.placements) == 5 and seen
     counts = {(2000, MILLI, 8, ""): 1, (1000, MILLI, 1, ""): 3, (1000, 500, 1, ""): 1}
     expected = TypicalShapes.from_counts(counts, lambda spec: ANY_MODEL).for_stranding()
