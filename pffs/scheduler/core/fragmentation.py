@@ -118,21 +118,20 @@ class TypicalShapes:
         fits only the 39 nodes of 128 cores, and left out, nothing in the measure keeps those free for it."""
         ranked = sorted(counts.items(), key=lambda kv: (kv[1], kv[0]), reverse=True)
         total = float(sum(counts.values()))
-        if nodes is not None:
-            typical = cls.from_counts(counts, model_mask, popularity)
-            rare = cls._of([shape for shape, _ in ranked[len(typical) :]], model_mask)
-            scarce = (rare.share > 0) & (rare.model_mask == ANY_MODEL)
-            scarce &= rare.hosts(nodes) <= RARE_SHAPE_HOSTS * len(nodes.cpu)
-            shapes = [shape for shape, _ in ranked[: len(typical)]]
-            shapes += [shape for (shape, _), add in zip(ranked[len(typical) :], scarce, strict=True) if add]
-            share = float(sum(counts[s] for s in shapes))
-            return replace(cls._of(shapes, model_mask, [counts[s] / share for s in shapes]), pods=int(total))
         expected = float(popularity) * total / 100.0
         kept = 0
         covered = 0.0
         while covered < expected and kept < len(ranked):
             covered += ranked[kept][1]
             kept += 1
+        if nodes is not None:
+            rare = cls._of([shape for shape, _ in ranked[kept:]], model_mask)
+            scarce = (rare.share > 0) & (rare.model_mask == ANY_MODEL)
+            scarce &= rare.hosts(nodes) <= RARE_SHAPE_HOSTS * len(nodes.cpu)
+            shapes = [shape for shape, _ in ranked[:kept]]
+            shapes += [shape for (shape, _), add in zip(ranked[kept:], scarce, strict=True) if add]
+            share = float(sum(counts[s] for s in shapes))
+            return replace(cls._of(shapes, model_mask, [counts[s] / share for s in shapes]), pods=int(total))
         if kept < len(ranked):
             prob = [(c / total) / (covered / total) for _, c in ranked[:kept]]
         else:
@@ -181,13 +180,17 @@ class TypicalShapes:
         return np.asarray(self._host_mask(nodes).sum(axis=1), dtype=np.int64)
 
     def _host_mask(self, nodes: NodeCapacities) -> np.ndarray:
-        model_ok = ((nodes.model_bits[None, :] & self.model_mask[:, None]) != 0) | (
-            self.model_mask[:, None] == ANY_MODEL
-        )
+        """(shapes, nodes): the node, empty, could run one pod of the shape."""
         return (
             (nodes.cpu[None, :] >= self.cpu[:, None])
             & (nodes.gpus[None, :] >= self.count[:, None])
-            & model_ok
+            & self._accepts(nodes.model_bits).T
+        )
+
+    def _accepts(self, model_bits: IntArray) -> np.ndarray:
+        """(nodes, shapes): the shape accepts the node's GPU model (or any model)."""
+        return ((model_bits[:, None] & self.model_mask[None, :]) != 0) | (
+            self.model_mask[None, :] == ANY_MODEL
         )
 
     def scarcity(self, nodes: NodeCapacities) -> FloatArray:
@@ -229,9 +232,7 @@ class TypicalShapes:
         small = np.where(fits, 0, gpu_free[:, None, :]).sum(axis=2)[:, share_of_shape]
         cpu_ok = cpu_free[:, None] >= self.cpu[None, :]
         gpu_shape = self.share[None, :] > 0
-        access = ((model_bits[:, None] & self.model_mask[None, :]) != 0) | (
-            self.model_mask[None, :] == ANY_MODEL
-        )
+        access = self._accepts(model_bits)
         hosts = fit_count >= self.count[None, :]
         category = np.select(
             [~gpu_shape & cpu_ok, ~gpu_shape, ~access, hosts & cpu_ok, hosts, cpu_ok],
@@ -291,9 +292,7 @@ class TypicalShapes:
         with np.errstate(divide="ignore"):
             by_cpu = np.where(self.cpu > 0, cpu_free[:, None] // np.maximum(self.cpu, 1)[None, :], slots)
         fits = np.minimum(slots, by_cpu)
-        access = ((model_bits[:, None] & self.model_mask[None, :]) != 0) | (
-            self.model_mask[None, :] == ANY_MODEL
-        )
+        access = self._accepts(model_bits)
         usable = access & gpu_shape[None, :]
         used = np.where(usable, fits * (share * count)[None, :], 0)
         left = (gpu_total[:, None] - used) * gpu_shape[None, :]

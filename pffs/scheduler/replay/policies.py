@@ -302,6 +302,12 @@ def _fgd_score(before: np.ndarray, after: np.ndarray) -> IntArray:
         return (1.0 / (1.0 + np.exp(-((before - after) / 1000))) * float(MAX_SCORE)).astype(np.int64)
 
 
+def _pffs_shapes(cluster: Cluster, trace: PodList) -> TypicalShapes:
+    """FGD's typical shapes and the rare ones few nodes can run, weighted for pffs's measure."""
+    nodes = cluster.capacities()
+    return TypicalShapes.from_pods(trace, cluster, nodes=nodes).for_stranding(nodes)
+
+
 PolicyFactory = Callable[[Cluster, PodList, GoRand], Policy]
 
 POLICIES: dict[str, PolicyFactory] = {
@@ -310,12 +316,7 @@ POLICIES: dict[str, PolicyFactory] = {
     "gpu-packing": lambda cluster, trace, rng: GpuPackingPolicy(),
     "best-fit": lambda cluster, trace, rng: BestFitPolicy(),
     "fgd": lambda cluster, trace, rng: FgdPolicy(cluster, TypicalShapes.from_pods(trace, cluster)),
-    "pffs": lambda cluster, trace, rng: PffsPolicy(
-        cluster,
-        TypicalShapes.from_pods(trace, cluster, nodes=cluster.capacities()).for_stranding(
-            cluster.capacities()
-        ),
-    ),
+    "pffs": lambda cluster, trace, rng: PffsPolicy(cluster, _pffs_shapes(cluster, trace)),
 }
 
 
