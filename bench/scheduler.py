@@ -44,7 +44,20 @@ EVERY_TRACE_POLICIES = ("best-fit", "fgd", "pffs")
 # nine mixes were replayed beside them while the next-pod weight (``NEXT_POD_WEIGHT``) was screened, the
 # next seven were made after it was fixed (FRESH_HELD_OUT) and were then seen while the rare scarce shapes
 # (``RARE_SHAPE_HOSTS``, ``TypicalShapes.scarcity``) were screened; the last eight were named before that
-# change was replayed on any of them (UNSEEN_HELD_OUT), so they are the test no choice has seen.
+# change was replayed on any of them (UNSEEN_HELD_OUT). The final eight were named (2026-11-26, stop 23)
+# before any policy had run on them, with the rule that decided a candidate change by them alone
+# (FINAL_HELD_OUT): a candidate (sharing weight 3) failed that rule and the policy was left as it was, so
+# they are the test no choice has seen.
+FINAL_HELD_OUT = (
+    "multigpu55",
+    "multigpu65",
+    "gpushare25",
+    "gpushare65",
+    "gpushare95",
+    "gpuspec20",
+    "gpuspec45",
+    "nongpu20",
+)
 UNSEEN_HELD_OUT = (
     "multigpu45",
     "multigpu60",
@@ -76,6 +89,7 @@ HELD_OUT = (
     "nongpu30",
     *FRESH_HELD_OUT,
     *UNSEEN_HELD_OUT,
+    *FINAL_HELD_OUT,
 )
 # Weng et al., USENIX ATC '23: mean over seeds 42-51 of alloc at 100% / 130% arrived (SCHED_PROTOCOL.md).
 PUBLISHED = {
@@ -101,6 +115,14 @@ def parse_seeds(text: str) -> list[int]:
         first, last = text.split("-", 1)
         return list(range(int(first), int(last) + 1))
     return [int(s) for s in text.split(",")]
+
+
+def load_trace(folder: Path, name: str, cluster: Cluster) -> PodList:
+    """A published trace of ``folder`` by name, or else the held-out mix of that name made from default."""
+    path = folder / f"openb_pod_list_{name}.csv"
+    if path.is_file():
+        return load_pods(path)
+    return make_mix(name, load_pods(folder / "openb_pod_list_default.csv"), cluster)
 
 
 def mean_curve(results: list[ReplayResult]) -> dict[int, float]:
@@ -230,7 +252,6 @@ def main(argv: list[str] | None = None) -> int:
     shown = list(MAIN_TRACES) + ([t for t in traces if t not in MAIN_TRACES] if not args.quick else [])
     plan = [(t, p) for t in [*shown, *mixes] for p in EVERY_TRACE_POLICIES]
     plan += [(t, p) for t in MAIN_TRACES for p in POLICIES if p not in EVERY_TRACE_POLICIES]
-    base = load_pods(folder / "openb_pod_list_default.csv")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = out.with_name(out.name + ".partial.json")  # what is done so far, should the run be cut short
@@ -238,10 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     with tqdm(total=len(plan) * len(seeds), unit="replay", file=sys.stderr) as bar:
         for trace_name, policy in plan:
-            if trace_name in mixes:
-                trace = make_mix(trace_name, base, cluster)
-            else:
-                trace = load_pods(folder / f"openb_pod_list_{trace_name}.csv")
+            trace = load_trace(folder, trace_name, cluster)
             results = []
             for seed in seeds:
                 bar.set_description(f"{trace_name} {policy} seed {seed}")
@@ -267,16 +285,19 @@ def main(argv: list[str] | None = None) -> int:
             "held_out": trace_name in mixes,
             "fresh": trace_name in FRESH_HELD_OUT,  # made after the next-pod weight was fixed
             "unseen": trace_name in UNSEEN_HELD_OUT,  # named before the rare shapes were replayed on it
+            "final": trace_name in FINAL_HELD_OUT,  # named before any policy was replayed on it
             "pffs_minus_best_fit_at_100": round(pffs["alloc_at_100"] - best_fit["alloc_at_100"], 3),
             "pffs_minus_fgd_at_100": round(pffs["alloc_at_100"] - fgd["alloc_at_100"], 3),
             "pffs_minus_fgd_at_130": round(pffs["alloc_at_130"] - fgd["alloc_at_130"], 3),
         }
     print(
         "\npffs - best-fit at 100%, pffs - FGD at 100% / 130% (points; * held out, ** made after the "
-        "next-pod weight, *** named before the rare shapes were replayed):"
+        "next-pod weight, *** named before the rare shapes were replayed, **** named before any policy ran "
+        "on them):"
     )
     for trace_name, v in verdict.items():
-        mark = "***" if v["unseen"] else "** " if v["fresh"] else "*  " if v["held_out"] else "   "
+        marks = (v["final"], v["unseen"], v["fresh"], v["held_out"])
+        mark = next((m for m, on in zip(("****", "*** ", "**  ", "*   "), marks, strict=True) if on), "    ")
         print(
             f"  {trace_name:<13}{mark} {v['pffs_minus_best_fit_at_100']:+.2f}   "
             f"{v['pffs_minus_fgd_at_100']:+.2f} / {v['pffs_minus_fgd_at_130']:+.2f}"
@@ -292,6 +313,7 @@ def main(argv: list[str] | None = None) -> int:
         "held_out_mixes": mixes,
         "fresh_held_out_mixes": [m for m in mixes if m in FRESH_HELD_OUT],
         "unseen_held_out_mixes": [m for m in mixes if m in UNSEEN_HELD_OUT],
+        "final_held_out_mixes": [m for m in mixes if m in FINAL_HELD_OUT],
         "machine": {"cpus": 2, "python": platform.python_version()},
         "seconds": round(elapsed, 1),
         "published": PUBLISHED,

@@ -315,6 +315,26 @@ def test_replay_never_over_allocates(nodes, pods, policy, seed):
     assert (cluster.gpu_free[missing] == 0).all()  # nothing placed on a GPU a node does not have
 
 
+def test_replay_can_stop_where_the_arrived_demand_reaches_a_mark():
+    """``stop_at``: the same replay cut before the first pod that would take the arrived demand past the
+    mark, with the cluster as it stood there (bench/scheduler_headroom.py looks at it at 100%)."""
+    cluster = cluster_of((64000, 262144, 4, "V100"), (32000, 131072, 2, "T4"))
+    trace = pods_of(
+        (4000, 1024, 500, 1, ""),
+        (2000, 2048, MILLI, 2, ""),
+        (1000, 1024, 250, 1, "T4"),
+        (8000, 1024, 0, 0, ""),
+    )
+    whole = replay(cluster, trace, "pffs", 7)
+    cut = replay(cluster, trace, "pffs", 7, stop_at=0.5)
+    mark = 0.5 * cluster.gpu_capacity_milli
+    assert 0 < cut.pods < whole.pods
+    assert cut.arrived[-1] <= mark < whole.arrived[cut.pods]  # the next pod would have passed the mark
+    assert cut.used.tolist() == whole.used[: cut.pods].tolist()
+    assert cut.cluster is not None and cut.cluster.used_gpu_milli == cut.used[-1]
+    assert cluster.used_gpu_milli == 0  # the replay placed pods on a copy
+
+
 @needs_traces
 @pytest.mark.parametrize(
     ("trace", "published"), [("default", (92.86, 93.08)), ("gpushare100", (84.62, 85.01))]

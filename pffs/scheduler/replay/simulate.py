@@ -33,6 +33,7 @@ class ReplayResult:
     capacity_milli: int
     arrived: IntArray = field(repr=False)  # per pod event: GPU milli requested so far
     used: IntArray = field(repr=False)  # per pod event: GPU milli allocated after it
+    cluster: Cluster | None = field(default=None, repr=False)  # the nodes as the replay left them
 
     @property
     def pods_per_second(self) -> float:
@@ -59,21 +60,32 @@ class ReplayResult:
 
 
 def replay(
-    cluster: Cluster, trace: PodList, policy_name: str, seed: int, ratio: float = DEFAULT_RATIO
+    cluster: Cluster,
+    trace: PodList,
+    policy_name: str,
+    seed: int,
+    ratio: float = DEFAULT_RATIO,
+    stop_at: float | None = None,
 ) -> ReplayResult:
-    """Place the seed's pod sequence on an empty copy of ``cluster`` with the named policy."""
+    """Place the seed's pod sequence on an empty copy of ``cluster`` with the named policy. With
+    ``stop_at`` (a fraction of the GPU capacity), stop before the first pod whose demand would take the
+    arrived total past it: ``cluster`` of the result is then the cluster at that point."""
     cluster = cluster.copy()
     order = replay_order(trace, cluster, seed, ratio)
     policy = make_policy(policy_name, cluster, trace, order.rng)
     rank = order.node_rank
     model_bits = cluster.model_bits()
     n = len(order.pods)
+    limit = None if stop_at is None else stop_at * cluster.gpu_capacity_milli
     arrived = np.empty(n, np.int64)
     used = np.empty(n, np.int64)
     demand = allocated = placed = 0
     start = time.perf_counter()
     for event, index in enumerate(order.pods.tolist()):
         pod = trace.pod(index, cluster)
+        if limit is not None and demand + pod.gpu_milli > limit:
+            n = event
+            break
         demand += pod.gpu_milli
         nodes = np.flatnonzero(cluster.feasible(pod, model_bits))
         if len(nodes):
@@ -88,5 +100,14 @@ def replay(
         used[event] = allocated
     seconds = time.perf_counter() - start
     return ReplayResult(
-        policy_name, seed, n, placed, n - placed, seconds, cluster.gpu_capacity_milli, arrived, used
+        policy_name,
+        seed,
+        n,
+        placed,
+        n - placed,
+        seconds,
+        cluster.gpu_capacity_milli,
+        arrived[:n],
+        used[:n],
+        cluster,
     )
