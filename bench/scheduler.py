@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import platform
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,57 +42,57 @@ DEFAULT_TRACES = _BESIDE if _BESIDE.is_dir() else Path("/work/shared/data/openb"
 MAIN_TRACES = ("default", "gpushare100")
 EVERY_TRACE_POLICIES = ("best-fit", "fgd", "pffs")
 # Held-out mixes: more multi-GPU pods, other sharing shares, GPU-model constraints (none in the published
-# traces) and fewer / more CPU-only pods. pffs's parameters were chosen on the published traces; the first
-# nine mixes were replayed beside them while the next-pod weight (``NEXT_POD_WEIGHT``) was screened, the
-# next seven were made after it was fixed (FRESH_HELD_OUT) and were then seen while the rare scarce shapes
-# (``RARE_SHAPE_HOSTS``, ``TypicalShapes.scarcity``) were screened; the last eight were named before that
-# change was replayed on any of them (UNSEEN_HELD_OUT). The final eight were named (2026-11-26, stop 23)
-# before any policy had run on them, with the rule that decided a candidate change by them alone
-# (FINAL_HELD_OUT): a candidate (sharing weight 3) failed that rule and the policy was left as it was, so
-# they are the test no choice has seen.
-FINAL_HELD_OUT = (
-    "multigpu55",
-    "multigpu65",
-    "gpushare25",
-    "gpushare65",
-    "gpushare95",
-    "gpuspec20",
-    "gpuspec45",
-    "nongpu20",
+# traces) and fewer / more CPU-only pods, in the rounds they were made. pffs's parameters were chosen on the
+# published traces. Round 1 was replayed beside them while the next-pod weight (``NEXT_POD_WEIGHT``) was
+# screened; round 2 was made after that weight was fixed and then seen while the rare scarce shapes
+# (``RARE_SHAPE_HOSTS``, ``TypicalShapes.scarcity``) were screened; round 3 was named before those ran on
+# it. Round 4 (stop 23) was named before any policy ran on it, with a rule that decided a candidate by it
+# alone: the candidate (sharing weight 3) failed, and gpuspec45 showed the committed policy 0.45 points
+# behind FGD. The bound-shape weighting (``scarcity`` of shapes bound to GPU models) was made on it, and
+# round 5 was named before that ran on any of it, with the rule that adopted it. Every round was kept.
+HELD_OUT_ROUNDS = (
+    (
+        "multigpu25",
+        "multigpu40",
+        "gpushare30",
+        "gpushare50",
+        "gpushare90",
+        "gpuspec15",
+        "gpuspec33",
+        "nongpu5",
+        "nongpu30",
+    ),
+    ("multigpu35", "multigpu50", "gpushare45", "gpushare70", "gpuspec25", "gpuspec50", "nongpu15"),
+    (
+        "multigpu45",
+        "multigpu60",
+        "gpushare35",
+        "gpushare55",
+        "gpushare85",
+        "gpuspec40",
+        "nongpu10",
+        "nongpu25",
+    ),
+    (
+        "multigpu55",
+        "multigpu65",
+        "gpushare25",
+        "gpushare65",
+        "gpushare95",
+        "gpuspec20",
+        "gpuspec45",
+        "nongpu20",
+    ),
+    ("gpuspec10", "gpuspec30", "gpuspec35", "gpuspec55", "gpuspec60", "gpuspec70"),
 )
-UNSEEN_HELD_OUT = (
-    "multigpu45",
-    "multigpu60",
-    "gpushare35",
-    "gpushare55",
-    "gpushare85",
-    "gpuspec40",
-    "nongpu10",
-    "nongpu25",
-)
-FRESH_HELD_OUT = (
-    "multigpu35",
-    "multigpu50",
-    "gpushare45",
-    "gpushare70",
-    "gpuspec25",
-    "gpuspec50",
-    "nongpu15",
-)
-HELD_OUT = (
-    "multigpu25",
-    "multigpu40",
-    "gpushare30",
-    "gpushare50",
-    "gpushare90",
-    "gpuspec15",
-    "gpuspec33",
-    "nongpu5",
-    "nongpu30",
-    *FRESH_HELD_OUT,
-    *UNSEEN_HELD_OUT,
-    *FINAL_HELD_OUT,
-)
+HELD_OUT = tuple(mix for round_mixes in HELD_OUT_ROUNDS for mix in round_mixes)
+
+
+def held_out_round(name: str) -> int:
+    """The round (1-5) a held-out mix was made in, 0 for a published trace."""
+    return next((i for i, mixes in enumerate(HELD_OUT_ROUNDS, 1) if name in mixes), 0)
+
+
 # Weng et al., USENIX ATC '23: mean over seeds 42-51 of alloc at 100% / 130% arrived (SCHED_PROTOCOL.md).
 PUBLISHED = {
     "default": {
@@ -115,6 +117,28 @@ def parse_seeds(text: str) -> list[int]:
         first, last = text.split("-", 1)
         return list(range(int(first), int(last) + 1))
     return [int(s) for s in text.split(",")]
+
+
+@dataclass(frozen=True)
+class _Done:
+    trace: str
+    result: ReplayResult
+
+
+_WORKER: dict[str, Any] = {}  # per worker process: the cluster and the traces loaded so far
+
+
+def _replay_task(task: tuple[str, str, str, int]) -> _Done:
+    """One replay in a worker process; each worker loads the cluster and each trace once."""
+    folder_name, trace_name, policy, seed = task
+    folder = Path(folder_name)
+    cluster = _WORKER.get("cluster")
+    if cluster is None:
+        cluster = _WORKER["cluster"] = load_nodes(folder / NODE_FILE)
+    trace = _WORKER.get(trace_name)
+    if trace is None:
+        trace = _WORKER[trace_name] = load_trace(folder, trace_name, cluster)
+    return _Done(trace_name, replay(cluster, trace, policy, seed))
 
 
 def load_trace(folder: Path, name: str, cluster: Cluster) -> PodList:
@@ -240,7 +264,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="main traces only (no every-trace comparison)")
     parser.add_argument("--mixes", default=",".join(HELD_OUT), help="held-out mixes ('' for none)")
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "scheduler"))
+    parser.add_argument("--jobs", type=int, default=2, help="replays at once, one process each (default 2)")
     args = parser.parse_args(argv)
+    if args.jobs < 1:
+        parser.error("--jobs must be 1 or more")
     folder = Path(args.traces)
     seeds = parse_seeds(args.seeds)
     cluster = load_nodes(folder / NODE_FILE)
@@ -256,17 +283,24 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = out.with_name(out.name + ".partial.json")  # what is done so far, should the run be cut short
     report: dict[str, dict[str, dict[str, Any]]] = {}
+    done: dict[tuple[str, str], list[ReplayResult]] = {}
+    tasks = [(str(folder), t, p, seed) for t, p in plan for seed in seeds]
     start = time.perf_counter()
-    with tqdm(total=len(plan) * len(seeds), unit="replay", file=sys.stderr) as bar:
-        for trace_name, policy in plan:
-            trace = load_trace(folder, trace_name, cluster)
-            results = []
-            for seed in seeds:
-                bar.set_description(f"{trace_name} {policy} seed {seed}")
-                results.append(replay(cluster, trace, policy, seed))
-                bar.update()
-            report.setdefault(trace_name, {})[policy] = summarize(results)
-            partial.write_text(json.dumps(report, indent=1))
+    with (
+        multiprocessing.get_context("fork").Pool(args.jobs) as pool,
+        tqdm(total=len(tasks), unit="replay", file=sys.stderr) as bar,
+    ):
+        # Each replay is timed in its own process (pods_per_second); --jobs 1 for a machine kept quiet.
+        for result in pool.imap_unordered(_replay_task, tasks):
+            trace_name, policy = result.trace, result.result.policy
+            done.setdefault((trace_name, policy), []).append(result.result)
+            bar.set_description(f"{trace_name} {policy} seed {result.result.seed}")
+            bar.update()
+            if len(done[(trace_name, policy)]) == len(seeds):
+                results = sorted(done.pop((trace_name, policy)), key=lambda r: r.seed)
+                report.setdefault(trace_name, {})[policy] = summarize(results)
+                partial.write_text(json.dumps(report, indent=1))
+    report = {t: {p: report[t][p] for t2, p in plan if t2 == t} for t in dict.fromkeys(t for t, _ in plan)}
     elapsed = time.perf_counter() - start
     speed = session_speed(cluster, load_pods(folder / "openb_pod_list_default.csv"))
 
@@ -283,23 +317,19 @@ def main(argv: list[str] | None = None) -> int:
         pffs, best_fit, fgd = policies["pffs"], policies["best-fit"], policies["fgd"]
         verdict[trace_name] = {
             "held_out": trace_name in mixes,
-            "fresh": trace_name in FRESH_HELD_OUT,  # made after the next-pod weight was fixed
-            "unseen": trace_name in UNSEEN_HELD_OUT,  # named before the rare shapes were replayed on it
-            "final": trace_name in FINAL_HELD_OUT,  # named before any policy was replayed on it
+            "round": held_out_round(trace_name) if trace_name in mixes else 0,
             "pffs_minus_best_fit_at_100": round(pffs["alloc_at_100"] - best_fit["alloc_at_100"], 3),
             "pffs_minus_fgd_at_100": round(pffs["alloc_at_100"] - fgd["alloc_at_100"], 3),
             "pffs_minus_fgd_at_130": round(pffs["alloc_at_130"] - fgd["alloc_at_130"], 3),
         }
     print(
-        "\npffs - best-fit at 100%, pffs - FGD at 100% / 130% (points; * held out, ** made after the "
-        "next-pod weight, *** named before the rare shapes were replayed, **** named before any policy ran "
-        "on them):"
+        "\npffs - best-fit at 100%, pffs - FGD at 100% / 130% (points; held-out mixes by the round they "
+        "were made in, HELD_OUT_ROUNDS):"
     )
     for trace_name, v in verdict.items():
-        marks = (v["final"], v["unseen"], v["fresh"], v["held_out"])
-        mark = next((m for m, on in zip(("****", "*** ", "**  ", "*   "), marks, strict=True) if on), "    ")
+        mark = f"round {v['round']}" if v["round"] else "published"
         print(
-            f"  {trace_name:<13}{mark} {v['pffs_minus_best_fit_at_100']:+.2f}   "
+            f"  {trace_name:<13}{mark:<10} {v['pffs_minus_best_fit_at_100']:+.2f}   "
             f"{v['pffs_minus_fgd_at_100']:+.2f} / {v['pffs_minus_fgd_at_130']:+.2f}"
         )
     print(
@@ -311,9 +341,7 @@ def main(argv: list[str] | None = None) -> int:
         "cluster": {"nodes": cluster.size, "gpus": cluster.gpu_capacity_milli // 1000},
         "seeds": seeds,
         "held_out_mixes": mixes,
-        "fresh_held_out_mixes": [m for m in mixes if m in FRESH_HELD_OUT],
-        "unseen_held_out_mixes": [m for m in mixes if m in UNSEEN_HELD_OUT],
-        "final_held_out_mixes": [m for m in mixes if m in FINAL_HELD_OUT],
+        "held_out_rounds": [[m for m in r if m in mixes] for r in HELD_OUT_ROUNDS],
         "machine": {"cpus": 2, "python": platform.python_version()},
         "seconds": round(elapsed, 1),
         "published": PUBLISHED,

@@ -196,6 +196,32 @@ def test_pffs_keeps_rare_shapes_few_nodes_can_run_and_weighs_them_by_how_full_th
     assert pffs.for_stranding().prob[1] / pffs.for_stranding().prob[0] == pytest.approx((1 / 8) / 97)
 
 
+def test_shapes_bound_to_a_gpu_model_weigh_against_that_models_gpus():
+    # 18 nodes of model A and 2 of model B: B has 16 of the 160 GPUs, and 15 of the 100 pods need it.
+    cluster = cluster_of(*[(96000, 10**6, 8, "A")] * 18, *[(96000, 10**6, 8, "B")] * 2)
+    nodes = cluster.capacities()
+    trace = pods_of(
+        *[(8000, 1, MILLI, 1, "A")] * 45, *[(8000, 1, MILLI, 1, "")] * 40, *[(8000, 1, MILLI, 1, "B")] * 15
+    )
+    shapes = TypicalShapes.from_pods(trace, cluster, popularity=100, nodes=nodes)
+    assert shapes.model_mask.tolist() == [1, ANY_MODEL, 2]
+    assert shapes.scarcity(nodes).tolist() == pytest.approx([160 / 144, 1.0, 160 / 16])
+
+    def drop(weighted: TypicalShapes, node: int) -> float:
+        """How much the measure falls when a one-GPU pod that accepts any model lands on the empty node."""
+        bits = nodes.model_bits[[node, node]]
+        gpus = np.array([[MILLI] * 8, [0] + [MILLI] * 7])
+        waste = weighted.waste(np.array([96000, 88000]), gpus, bits)
+        return float(waste[0] - waste[1])
+
+    # Weighed against their models' GPUs, B's pods ask more of B than A's of A: the pod goes to an A node.
+    bound = shapes.for_stranding(nodes)
+    assert drop(bound, 0) > drop(bound, 19)
+    # By frequency alone, A's 45 pods outweigh B's 15 and the pod would take one of B's few GPUs.
+    by_frequency = shapes.for_stranding()
+    assert drop(by_frequency, 0) < drop(by_frequency, 19)
+
+
 def test_sharing_pods_score_coarser_where_whole_gpu_shapes_weigh():
     cluster = cluster_of((96000, 10**6, 8, "A"))
     mixed = pods_of(

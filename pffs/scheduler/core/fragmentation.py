@@ -11,7 +11,8 @@ integer cut of sigmoid(dF / 1000), and a dF of exactly 0 (score 50) against a dF
 ties.
 
 pffs's own measure, ``waste``, adds to it what filling a node with each shape would strand (``stranded``),
-over FGD's shapes and the rare ones that few nodes can run (``from_counts`` and ``scarcity`` with ``nodes``).
+over FGD's shapes and the rare ones that few nodes can run (``from_counts`` and ``scarcity`` with ``nodes``),
+with shapes bound to GPU models weighed against those models' GPUs (``scarcity``).
 Both floors above use them: the session's fragmentation score (``waste``, through ``scoring.py``) and the
 trace replay's policies (FGD's ``fragmentation``, pffs's ``waste``). It reads plain arrays, so the replay's
 ``PodList`` and ``Cluster`` come in by shape (``PodColumns``, ``ModelMasks``) and nothing here imports them.
@@ -158,8 +159,8 @@ class TypicalShapes:
 
     def for_stranding(self, nodes: NodeCapacities | None = None) -> TypicalShapes:
         """The same shapes weighted for ``stranded``: a shape's frequency divided by its GPU count, a sharing
-        shape's doubled, and with ``nodes`` a GPU shape's raised where its hosts are scarce
-        (``scarcity``), renormalised.
+        shape's doubled, and with ``nodes`` a GPU shape's raised where its hosts or its models' GPUs are
+        scarce (``scarcity``), renormalised.
 
         ``stranded`` asks how much of a node each shape, filling it alone, would leave unused. A k-GPU shape
         leaves ALL the free GPUs of a node with fewer than k free, so at its pod frequency its term swamps
@@ -194,25 +195,34 @@ class TypicalShapes:
         )
 
     def scarcity(self, nodes: NodeCapacities) -> FloatArray:
-        """Per shape, how much more its stranding counts because few nodes can run it: 1 + (the nodes over
-        its hosts - 1) x its pressure, the GPUs its expected pods (``prob * pods``) ask for over the GPUs
-        of its hosts, capped at 1. A shape that names GPU models keeps 1: counting its few hosts as scarce
-        too cost 0.6 points against FGD on the gpuspec50 mix at 100% arrived (screen, seeds 42-51).
+        """Per shape, how much more its stranding counts because few nodes or GPUs can run it.
 
-        On openb an 8-GPU pod with 120 cores fits 39 of the 1213 nodes (31 times fewer), one with 64-88
-        cores about 610 (2), a one-GPU pod nearly any (1). Where such pods would fill their hosts the
-        measure must keep those hosts for them, or small pods take the nodes and the big pods fail before
-        the cluster is full (openb multigpu30, seeds 42-51: 0.95 points of the GPU demand lost before 90%
-        had arrived without this, 0.03 with it, FGD 0.00). Where they are few (gpushare80: one such pod,
-        3% of those nodes' GPUs), keeping their hosts apart costs more than it saves (0.16 points against
-        FGD in a screen of seeds 42-51 with the scarcity in full)."""
+        A shape that accepts any model: 1 + (the nodes over its hosts - 1) x its pressure, the GPUs its
+        expected pods (``prob * pods``) ask for over the GPUs of its hosts, capped at 1. On openb an 8-GPU
+        pod with 120 cores fits 39 of the 1213 nodes (31 times fewer), one with 64-88 cores about 610 (2),
+        a one-GPU pod nearly any (1). Where such pods would fill their hosts the measure must keep those
+        hosts for them, or small pods take the nodes and the big pods fail before the cluster is full
+        (openb multigpu30, seeds 42-51: 0.95 points of the GPU demand lost before 90% had arrived without
+        this, 0.03 with it, FGD 0.00). Where they are few (gpushare80: one such pod, 3% of those nodes'
+        GPUs), keeping their hosts apart costs more than it saves (0.16 points against FGD in a screen of
+        seeds 42-51 with the scarcity in full).
+
+        A shape bound to GPU models: the cluster's GPUs over the GPUs of its models. Its terms count all
+        the free milli of every node of another model, so a pod placed on a node of model Y lowers the
+        measure by the weight of the shapes not bound to Y: counted by frequency alone, the models with
+        the most GPUs (and so the most bound pods) were the ones kept free, and pods that accept any model
+        filled the small models their own pods needed (mix gpuspec45, seeds 42-51: 0.45 points behind FGD
+        at 100% arrived; +2.8 with this). Over its models' GPUs, each model's bound pods count for what
+        they ask of that model."""
         hosting = self._host_mask(nodes)
         hosts = np.maximum(hosting.sum(axis=1), 1)
         host_gpus = np.maximum((hosting * nodes.gpus[None, :]).sum(axis=1), 1)
         demand = self.prob * self.pods * np.maximum(self.count, 1) * self.share / MILLI
         pressure = np.minimum(1.0, demand / host_gpus)
         scarce = 1.0 + (len(nodes.cpu) / hosts - 1.0) * pressure
-        return np.asarray(np.where(self.model_mask == ANY_MODEL, scarce, 1.0), dtype=np.float64)
+        model_gpus = np.maximum((self._accepts(nodes.model_bits) * nodes.gpus[:, None]).sum(axis=0), 1)
+        bound = nodes.gpus.sum() / model_gpus
+        return np.asarray(np.where(self.model_mask == ANY_MODEL, scarce, bound), dtype=np.float64)
 
     def whole_gpu_fraction(self) -> float:
         """The whole-GPU shapes' part of the weight on GPU shapes (sharing shapes the rest): 0 on a trace

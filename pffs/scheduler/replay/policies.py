@@ -263,8 +263,9 @@ class PffsPolicy(FgdPolicy):
     node would strand if it were filled with pods of each typical shape (CPU and GPU slots both counted),
     plus ``NEXT_POD_WEIGHT`` times FGD's next-pod fragment for the same shapes (``TypicalShapes.waste``):
     the filling sees the long run, the next pod what is left when the cluster is nearly full. The shapes
-    are FGD's and the rare ones few nodes can run, weighted up where their pods would fill those nodes
-    (``TypicalShapes.from_counts`` and ``scarcity`` with the cluster's ``capacities``). Its drop is
+    are FGD's and the rare ones few nodes can run, weighted up where their pods would fill those nodes,
+    and those bound to GPU models weighed against those models' GPUs (``TypicalShapes.from_counts`` and
+    ``scarcity`` with the cluster's ``capacities``). Its drop is
     scored on a coarser sigmoid than FGD's (``TEMPERATURE`` milli instead of 1000), so near-equal moves tie
     and the seed's node order packs them onto the same nodes.
 
