@@ -112,6 +112,26 @@ PUBLISHED = {
 }
 
 
+def replay_parser(description: str | None, seeds: str = "42-51") -> argparse.ArgumentParser:
+    """The options the scheduler benches share: the openb trace folder and the seeds."""
+    parser = argparse.ArgumentParser(
+        description=description, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--traces", default=str(DEFAULT_TRACES), help=f"openb trace folder (default {DEFAULT_TRACES})"
+    )
+    parser.add_argument("--seeds", default=seeds, help="e.g. 42-51 or 42,43")
+    return parser
+
+
+def seeds_option(parser: argparse.ArgumentParser, text: str) -> list[int]:
+    """``--seeds`` as a list, or the parser's one-line error."""
+    try:
+        return parse_seeds(text)
+    except ValueError:
+        parser.error(f"--seeds: {text!r} is not like 42-51 or 42,43")
+
+
 def parse_seeds(text: str) -> list[int]:
     if "-" in text:
         first, last = text.split("-", 1)
@@ -254,13 +274,7 @@ def plot(report: dict[str, dict[str, dict[str, Any]]], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument(
-        "--traces", default=str(DEFAULT_TRACES), help=f"openb trace folder (default {DEFAULT_TRACES})"
-    )
-    parser.add_argument("--seeds", default="42-51", help="e.g. 42-51 or 42,43")
+    parser = replay_parser(__doc__)
     parser.add_argument("--quick", action="store_true", help="main traces only (no every-trace comparison)")
     parser.add_argument("--mixes", default=",".join(HELD_OUT), help="held-out mixes ('' for none)")
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "scheduler"))
@@ -269,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.jobs < 1:
         parser.error("--jobs must be 1 or more")
     folder = Path(args.traces)
-    seeds = parse_seeds(args.seeds)
+    seeds = seeds_option(parser, args.seeds)
     cluster = load_nodes(folder / NODE_FILE)
     traces = sorted(
         p.name[len("openb_pod_list_") : -len(".csv")] for p in folder.glob("openb_pod_list_*.csv")

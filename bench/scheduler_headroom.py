@@ -19,7 +19,6 @@ The traces are research-use data: they are read in place (default ../shared/data
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -33,7 +32,7 @@ from tqdm import tqdm
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from scheduler import DEFAULT_TRACES, NODE_FILE, load_trace, parse_seeds  # noqa: E402  (bench/scheduler.py)
+from scheduler import NODE_FILE, load_trace, replay_parser, seeds_option  # noqa: E402  (bench/scheduler.py)
 
 from pffs.scheduler.core.objects import MILLI  # noqa: E402
 from pffs.scheduler.replay.model import Cluster, PodList  # noqa: E402
@@ -139,21 +138,12 @@ def plot(report: dict[str, dict[str, Any]], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument(
-        "--traces", default=str(DEFAULT_TRACES), help=f"openb trace folder (default {DEFAULT_TRACES})"
-    )
+    parser = replay_parser(__doc__)
     parser.add_argument("--names", default=DEFAULT_NAMES, help="published traces or held-out mixes")
-    parser.add_argument("--seeds", default="42-51", help="e.g. 42-51 or 42,43")
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "scheduler_headroom"))
     args = parser.parse_args(argv)
     folder = Path(args.traces)
-    try:
-        seeds = parse_seeds(args.seeds)
-    except ValueError:
-        parser.error(f"--seeds: {args.seeds!r} is not like 42-51 or 42,43")
+    seeds = seeds_option(parser, args.seeds)
     if not (folder / NODE_FILE).is_file():
         parser.error(f"no openb node list {NODE_FILE} in {folder}")
     cluster = load_nodes(folder / NODE_FILE)

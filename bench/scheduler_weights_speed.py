@@ -13,7 +13,6 @@ weights make pffs slower, and by how much". The traces are read in place, never 
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -22,7 +21,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from scheduler import DEFAULT_TRACES, NODE_FILE, parse_seeds  # noqa: E402  (bench/scheduler.py)
+from scheduler import NODE_FILE, replay_parser, seeds_option  # noqa: E402  (bench/scheduler.py)
 
 from pffs.scheduler.core.fragmentation import TypicalShapes  # noqa: E402
 from pffs.scheduler.replay.policies import POLICIES, PffsPolicy  # noqa: E402
@@ -37,21 +36,12 @@ POLICIES[OLD_WEIGHTS] = lambda cluster, trace, rng: PffsPolicy(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument(
-        "--traces", default=str(DEFAULT_TRACES), help=f"openb trace folder (default {DEFAULT_TRACES})"
-    )
+    parser = replay_parser(__doc__, seeds="42-44")
     parser.add_argument("--names", default="default,multigpu30,gpushare40", help="traces to replay")
-    parser.add_argument("--seeds", default="42-44", help="e.g. 42-44 or 42,43")
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "scheduler_weights_speed.json"))
     args = parser.parse_args(argv)
     folder = Path(args.traces)
-    try:
-        seeds = parse_seeds(args.seeds)
-    except ValueError:
-        parser.error(f"--seeds: {args.seeds!r} is not like 42-44 or 42,43")
+    seeds = seeds_option(parser, args.seeds)
     names = [n for n in args.names.split(",") if n]
     missing = [n for n in names if not (folder / f"openb_pod_list_{n}.csv").is_file()]
     if missing or not (folder / NODE_FILE).is_file():
