@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pffs.scheduler.core import scoring
-from pffs.scheduler.core.fragmentation import ANY_MODEL, TypicalShapes
+from pffs.scheduler.core.fragmentation import ANY_MODEL, NodeCapacities, TypicalShapes
 from pffs.scheduler.core.objects import MILLI, Gpu, Node, Placement, Pod, PodGroup, Queue, Resources
 from pffs.scheduler.core.session import SessionResult, Weights, run_session
 from pffs.scheduler.replay.synthetic import Job, make_cluster, simulate
@@ -56,12 +56,23 @@ def gang(
     cpu: int = 1000,
     mem: int = 1000,
     selector: dict[str, str] | None = None,
+    models: frozenset[str] = frozenset(),
 ) -> PodGroup:
     return PodGroup(
         name,
         queue,
         [
-            Pod(f"{name}-{k}", name, cpu, mem, gpus, milli, datasets=datasets, node_selector=selector or {})
+            Pod(
+                f"{name}-{k}",
+                name,
+                cpu,
+                mem,
+                gpus,
+                milli,
+                datasets=datasets,
+                node_selector=selector or {},
+                gpu_models=models,
+            )
             for k in range(pods)
         ],
         min_member=pods if min_member is None else min_member,
@@ -737,6 +748,22 @@ def test_session_keeps_the_rare_shape_only_its_few_big_nodes_can_run() -> None:
     # weights: 40 one-GPU pods at 1 each against one 8-GPU pod at 1/8 x scarcity 20
     by_count = dict(zip(shapes.count.tolist(), shapes.prob.tolist(), strict=True))
     assert by_count[8] / by_count[1] == pytest.approx((20 / 8) / 40)
+
+
+def test_session_keeps_the_small_gpu_model_for_the_pods_bound_to_it() -> None:
+    """Shapes bound to a GPU model weigh against that model's GPUs, as in the trace policy: three pods need
+    model B (one node, 8 of the 80 GPUs), six need A, so a pod that accepts any model goes to an A node,
+    though the B node's name comes first and nothing else tells the nodes apart."""
+    nodes = [gpu_node("a-b", model="B")] + [gpu_node(f"n{i}", model="A") for i in range(9)]
+    groups = [gang("any", 1, gpus=1, created=0.0)]
+    groups += [gang(f"a{i}", 1, gpus=1, created=1.0, models=frozenset({"A"})) for i in range(6)]
+    groups += [gang(f"b{i}", 1, gpus=1, created=1.0, models=frozenset({"B"})) for i in range(3)]
+    result, seen = session_with_shapes_seen(nodes, groups)
+    assert {p.pod.name: p.node for p in result.placements}["any-0"] != "a-b"
+    shapes = seen[0]
+    capacities = NodeCapacities(np.full(10, 64_000), np.full(10, 8), np.array([2] + [1] * 9))
+    by_mask = dict(zip(shapes.model_mask.tolist(), shapes.scarcity(capacities).tolist(), strict=True))
+    assert by_mask == pytest.approx({ANY_MODEL: 1.0, 1: 80 / 72, 2: 80 / 8})  # A's bit 1, B's bit 2
 
 
 def test_session_measures_stranding_with_the_trace_policys_weights() -> None:

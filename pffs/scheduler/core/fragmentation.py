@@ -213,15 +213,16 @@ class TypicalShapes:
         the most GPUs (and so the most bound pods) were the ones kept free, and pods that accept any model
         filled the small models their own pods needed (mix gpuspec45, seeds 42-51: 0.45 points behind FGD
         at 100% arrived; +2.8 with this). Over its models' GPUs, each model's bound pods count for what
-        they ask of that model."""
+        they ask of that model; a shape bound to models no node has weighs nothing."""
         hosting = self._host_mask(nodes)
         hosts = np.maximum(hosting.sum(axis=1), 1)
         host_gpus = np.maximum((hosting * nodes.gpus[None, :]).sum(axis=1), 1)
         demand = self.prob * self.pods * np.maximum(self.count, 1) * self.share / MILLI
         pressure = np.minimum(1.0, demand / host_gpus)
         scarce = 1.0 + (len(nodes.cpu) / hosts - 1.0) * pressure
-        model_gpus = np.maximum((self._accepts(nodes.model_bits) * nodes.gpus[:, None]).sum(axis=0), 1)
-        bound = nodes.gpus.sum() / model_gpus
+        model_gpus = (self._accepts(nodes.model_bits) * nodes.gpus[:, None]).sum(axis=0)
+        # A shape no GPU of the cluster accepts weighs nothing: it says nothing of where others should go.
+        bound = np.where(model_gpus > 0, nodes.gpus.sum() / np.maximum(model_gpus, 1), 0.0)
         return np.asarray(np.where(self.model_mask == ANY_MODEL, scarce, bound), dtype=np.float64)
 
     def whole_gpu_fraction(self) -> float:

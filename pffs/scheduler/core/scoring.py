@@ -120,7 +120,7 @@ def waste_growth(state: ClusterState, shapes: TypicalShapes, pod: Pod) -> FloatA
         values, seen = cached
         stale = np.flatnonzero(seen != state.version)
     if cached is None or len(stale):
-        bits = np.zeros(len(stale), dtype=np.int64)  # shapes accept any model (see ClusterState.typical)
+        bits = state.model_bits[stale]
         before = shapes.waste(state.cpu_free[stale], state.gpu_free[stale], bits)
         after = shapes.waste(
             state.cpu_free[stale] - pod.cpu_milli, gpu_rows_after(state, pod, stale, tightest=True), bits

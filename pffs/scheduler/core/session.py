@@ -190,18 +190,29 @@ class _Session:
         self.state.typical = self._typical_shapes()
 
     def _typical_shapes(self) -> TypicalShapes | None:
-        """The session's pod shapes by frequency (FGD's 'typical pods', and the rare ones few nodes can run),
-        any GPU model accepted, weighted for the stranded-GPU measure (``TypicalShapes.for_stranding``) as
-        the trace policy's are."""
+        """The session's pod shapes by frequency (FGD's 'typical pods', the rare ones few nodes can run, and
+        the GPU models a shape is bound to), weighted for the stranded-GPU measure
+        (``TypicalShapes.for_stranding``) as the trace policy's are."""
+        state = self.state
         counts = Counter(
-            (p.cpu_milli, p.gpu_milli if uses_gpus(p) else 0, p.gpu_count if uses_gpus(p) else 0, "")
+            (
+                p.cpu_milli,
+                p.gpu_milli if uses_gpus(p) else 0,
+                p.gpu_count if uses_gpus(p) else 0,
+                "|".join(sorted(p.gpu_models)) if uses_gpus(p) and state.model_bit else "",
+            )
             for g in self.groups.values()
             for p in g.pods
         )
         if not any(share for _, share, _, _ in counts):
             return None
-        nodes = NodeCapacities(self.state.cpu_cap, self.state.gpu_count, np.zeros_like(self.state.gpu_count))
-        return TypicalShapes.from_counts(counts, lambda spec: ANY_MODEL, nodes=nodes).for_stranding(nodes)
+
+        def model_mask(spec: str) -> int:
+            """A spec's models as bits (a model no node has: no bit); "" accepts any model."""
+            return sum(state.model_bit.get(m, 0) for m in spec.split("|")) if spec else ANY_MODEL
+
+        nodes = NodeCapacities(state.cpu_cap, state.gpu_count, state.model_bits)
+        return TypicalShapes.from_counts(counts, model_mask, nodes=nodes).for_stranding(nodes)
 
     # --- scoring and placing -------------------------------------------------------------------------
 

@@ -56,6 +56,12 @@ class ClusterState:
         tor_id = {t: i for i, t in enumerate(self.tors)}
         self.tor_idx = np.array([tor_id[n.tor] for n in self.nodes], dtype=np.int64)
         self.schedulable = np.array([n.schedulable for n in self.nodes], dtype=bool)
+        # One bit per GPU model (the measure's ``model_mask`` test); none if there are more than fit in 62.
+        models = sorted({n.gpu_model for n in self.nodes if n.gpu_model and n.gpus})
+        self.model_bit = {m: 1 << i for i, m in enumerate(models)} if len(models) <= 62 else {}
+        self.model_bits = np.array(
+            [self.model_bit.get(n.gpu_model, 0) if n.gpus else 0 for n in self.nodes], dtype=np.int64
+        )
         self.group_nodes: dict[str, Counter[int]] = {}  # group -> node -> pods there (running and placed)
         self.usage: dict[str, Resources] = {}  # queue -> requests of its running and placed pods
         self.queue_of: dict[str, str] = {}  # group -> queue
