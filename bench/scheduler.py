@@ -145,19 +145,17 @@ class _Done:
     result: ReplayResult
 
 
-_WORKER: dict[str, Any] = {}  # per worker process: the cluster and the traces loaded so far
+# The run's cluster and trace folder, set before the workers fork, and each worker's traces loaded so far.
+_WORKER: dict[str, Any] = {}
 
 
-def _replay_task(task: tuple[str, str, str, int]) -> _Done:
-    """One replay in a worker process; each worker loads the cluster and each trace once."""
-    folder_name, trace_name, policy, seed = task
-    folder = Path(folder_name)
-    cluster = _WORKER.get("cluster")
-    if cluster is None:
-        cluster = _WORKER["cluster"] = load_nodes(folder / NODE_FILE)
+def _replay_task(task: tuple[str, str, int]) -> _Done:
+    """One replay in a worker process; each worker loads each trace once."""
+    trace_name, policy, seed = task
+    cluster = _WORKER["cluster"]
     trace = _WORKER.get(trace_name)
     if trace is None:
-        trace = _WORKER[trace_name] = load_trace(folder, trace_name, cluster)
+        trace = _WORKER[trace_name] = load_trace(_WORKER["folder"], trace_name, cluster)
     return _Done(trace_name, replay(cluster, trace, policy, seed))
 
 
@@ -298,7 +296,8 @@ def main(argv: list[str] | None = None) -> int:
     partial = out.with_name(out.name + ".partial.json")  # what is done so far, should the run be cut short
     report: dict[str, dict[str, dict[str, Any]]] = {}
     done: dict[tuple[str, str], list[ReplayResult]] = {}
-    tasks = [(str(folder), t, p, seed) for t, p in plan for seed in seeds]
+    tasks = [(t, p, seed) for t, p in plan for seed in seeds]
+    _WORKER.update(cluster=cluster, folder=folder)  # the forked workers inherit them
     start = time.perf_counter()
     with (
         multiprocessing.get_context("fork").Pool(args.jobs) as pool,

@@ -68,8 +68,7 @@ def placed_sharing_shares(result: ReplayResult, trace: PodList, cluster: Cluster
 
 def free_gpu_milli(state: Cluster, trace: PodList) -> dict[str, int]:
     """The free GPU milli of ``state``: on whole free GPUs, and on partly used ones, CPU-dead or open."""
-    real = np.arange(state.gpu_free.shape[1])[None, :] < state.gpu_count[:, None]
-    free = np.where(real, state.gpu_free, 0)
+    free = state.gpu_free  # 0 on the GPUs a node does not have (``Cluster.place`` never uses them)
     node, gpu = np.nonzero((free > 0) & (free < MILLI))
     sliver = free[node, gpu]
     sharing = (trace.share > 0) & (trace.share < MILLI)
