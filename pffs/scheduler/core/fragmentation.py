@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import Protocol
 
 import numpy as np
@@ -71,6 +72,19 @@ class NodeCapacities:
     cpu: IntArray
     gpus: IntArray
     model_bits: IntArray
+
+
+@dataclass(frozen=True)
+class _Filling:
+    """Per typical shape, what ``TypicalShapes._per_shape`` divides by and compares with."""
+
+    shares: IntArray  # the distinct GPU shares (CPU-only shapes counted as share 1)
+    share_of_shape: IntArray  # each shape's index in ``shares``
+    count: IntArray  # GPUs per pod, at least 1
+    cpu: IntArray  # CPU milli per pod, at least 1
+    needs_cpu: np.ndarray  # the shape asks for CPU (else its CPU never limits it)
+    gpu_shape: np.ndarray  # the shape asks for a GPU
+    milli: IntArray  # GPU milli per pod (share x count)
 
 
 @dataclass(frozen=True)
@@ -225,6 +239,24 @@ class TypicalShapes:
         bound = np.where(model_gpus > 0, nodes.gpus.sum() / np.maximum(model_gpus, 1), 0.0)
         return np.asarray(np.where(self.model_mask == ANY_MODEL, scarce, bound), dtype=np.float64)
 
+    @cached_property
+    def _shares(self) -> tuple[IntArray, IntArray]:
+        """The distinct shares (few) and each shape's index among them: ``fragmentation`` compares the
+        GPUs with each share once, not once per shape."""
+        shares, share_of_shape = np.unique(self.share, return_inverse=True)
+        return shares, share_of_shape
+
+    @cached_property
+    def _filling(self) -> _Filling:
+        """The shapes' constants that ``_per_shape`` divides by, computed once (it runs per scored node)."""
+        gpu_shape = self.share > 0
+        share = np.where(gpu_shape, self.share, 1)
+        count = np.maximum(self.count, 1)
+        shares, share_of_shape = np.unique(share, return_inverse=True)
+        return _Filling(
+            shares, share_of_shape, count, np.maximum(self.cpu, 1), self.cpu > 0, gpu_shape, share * count
+        )
+
     def whole_gpu_fraction(self) -> float:
         """The whole-GPU shapes' part of the weight on GPU shapes (sharing shapes the rest): 0 on a trace
         of sharing pods only, about 0.4 on openb's default, 0.5 on gpushare20."""
@@ -237,7 +269,7 @@ class TypicalShapes:
         """F for each of M node states: ``cpu_free`` (M,), ``gpu_free`` (M, GPUs), ``model_bits`` (M,)."""
         m = len(cpu_free)
         gpu_total = gpu_free.sum(axis=1)
-        shares, share_of_shape = np.unique(self.share, return_inverse=True)
+        shares, share_of_shape = self._shares
         fits = gpu_free[:, None, :] >= shares[None, :, None]  # (M, shares, GPUs)
         fit_count = fits.sum(axis=2)[:, share_of_shape]  # (M, shapes)
         small = np.where(fits, 0, gpu_free[:, None, :]).sum(axis=2)[:, share_of_shape]
@@ -290,23 +322,18 @@ class TypicalShapes:
         the node for one more pod of it (all free milli where none fits, else the milli on GPUs below its
         share; CPU-only shapes: all free milli, as in ``fragmentation``)."""
         gpu_total = gpu_free.sum(axis=1)
-        gpu_shape = self.share > 0
-        share = np.where(gpu_shape, self.share, 1)
-        count = np.maximum(self.count, 1)
+        c = self._filling
         # GPU slots per distinct share (few), then per shape: the division is the costly part.
-        shares, share_of_shape = np.unique(share, return_inverse=True)
-        per_gpu = gpu_free[:, None, :] // shares[None, :, None]  # (M, shares, GPUs)
+        per_gpu = gpu_free[:, None, :] // c.shares[None, :, None]  # (M, shares, GPUs)
         per_share = per_gpu.sum(axis=2)
-        fitting_gpus = (per_gpu > 0).sum(axis=2)[:, share_of_shape]
-        below_share = np.where(per_gpu == 0, gpu_free[:, None, :], 0).sum(axis=2)[:, share_of_shape]
-        slots = per_share[:, share_of_shape] // count[None, :]  # (M, shapes)
-        with np.errstate(divide="ignore"):
-            by_cpu = np.where(self.cpu > 0, cpu_free[:, None] // np.maximum(self.cpu, 1)[None, :], slots)
+        fitting_gpus = (per_gpu > 0).sum(axis=2)[:, c.share_of_shape]
+        below_share = np.where(per_gpu == 0, gpu_free[:, None, :], 0).sum(axis=2)[:, c.share_of_shape]
+        slots = per_share[:, c.share_of_shape] // c.count[None, :]  # (M, shapes)
+        by_cpu = np.where(c.needs_cpu, cpu_free[:, None] // c.cpu[None, :], slots)
         fits = np.minimum(slots, by_cpu)
-        access = self._accepts(model_bits)
-        usable = access & gpu_shape[None, :]
-        used = np.where(usable, fits * (share * count)[None, :], 0)
-        left = (gpu_total[:, None] - used) * gpu_shape[None, :]
-        one_more = usable & (cpu_free[:, None] >= self.cpu[None, :]) & (fitting_gpus >= count[None, :])
+        usable = self._accepts(model_bits) & c.gpu_shape[None, :]
+        used = np.where(usable, fits * c.milli[None, :], 0)
+        left = (gpu_total[:, None] - used) * c.gpu_shape[None, :]
+        one_more = usable & (cpu_free[:, None] >= self.cpu[None, :]) & (fitting_gpus >= c.count[None, :])
         next_pod = np.where(one_more, below_share, gpu_total[:, None])
         return left, next_pod
