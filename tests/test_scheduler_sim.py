@@ -217,6 +217,9 @@ def test_shapes_bound_to_a_gpu_model_weigh_against_that_models_gpus():
     # Weighed against their models' GPUs, B's pods ask more of B than A's of A: the pod goes to an A node.
     bound = shapes.for_stranding(nodes)
     assert drop(bound, 0) > drop(bound, 19)
+    # Between them, the bound shapes keep the weight of their 60 pods in 100 (A 45 x 160/144 against B 15 x
+    # 10, scaled back to 60): the any-model shape is not crowded out of the measure.
+    assert bound.prob.tolist() == pytest.approx([15 / 100, 40 / 100, 45 / 100])
     # By frequency alone, A's 45 pods outweigh B's 15 and the pod would take one of B's few GPUs.
     by_frequency = shapes.for_stranding()
     assert drop(by_frequency, 0) < drop(by_frequency, 19)
