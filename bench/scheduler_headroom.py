@@ -1,7 +1,8 @@
 """Where the GPUs go at 100% arrived, and how much any placement could still gain there (issue 16).
 
 FGD and pffs replay each trace or mix (seeds 42-51) up to the protocol's 100% point: the arrived GPU
-demand reaches the cluster's capacity. There every milli not allocated is demand that failed, and it lies:
+demand reaches the cluster's capacity (``--stop-at 130``: its 130% point). At 100% every milli not allocated
+is demand that failed, and it lies:
 
 - on whole free GPUs;
 - in slivers, the free milli of partly used GPUs: "CPU-dead" where a sharing pod of the trace is small
@@ -10,9 +11,11 @@ demand reaches the cluster's capacity. There every milli not allocated is demand
 Two figures bound what placement can do about the slivers. The sharing pods each policy placed, packed
 alone onto GPUs (no nodes, no CPU, as many GPUs as they want) in their arrival order by online best fit,
 and all known in advance by offline best-fit decreasing: no online placement, on nodes, gets near that
-floor. Writes bench/results/scheduler_headroom.{json,png}.
+floor. The slivers are also split by the GPU model of their node (``slivers_on_<model>``): on mixes with
+pods bound to GPU models, which models end up broken. Writes bench/results/scheduler_headroom.{json,png}.
 
     .venv/bin/python bench/scheduler_headroom.py [--traces DIR] [--seeds 42-51] [--names multigpu40,...]
+        [--stop-at 100|130] [--out PATH]
 
 The traces are research-use data: they are read in place (default ../shared/data/openb), never copied here.
 """
@@ -24,7 +27,7 @@ import statistics
 import sys
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 from tqdm import tqdm
@@ -76,16 +79,21 @@ def free_gpu_milli(state: Cluster, trace: PodList) -> dict[str, int]:
     small_enough = shape_share[None, :] <= sliver[:, None]
     runs = small_enough & (shape_cpu[None, :] <= state.cpu_free[node][:, None])
     dead = small_enough.any(axis=1) & ~runs.any(axis=1)
+    model = state.gpu_model[node]
+    by_model = {
+        f"slivers_on_{name}": int(sliver[model == m].sum()) for m, name in enumerate(state.model_names)
+    }
     return {
         "whole_free": int((free == MILLI).sum()) * MILLI,
         "cpu_dead_slivers": int(sliver[dead].sum()),
         "open_slivers": int(sliver[~dead].sum()),
+        **by_model,
     }
 
 
-def at_full(cluster: Cluster, trace: PodList, policy: str, seed: int) -> dict[str, float]:
-    """One replay up to 100% arrived: its free milli by kind and the sharing bounds, in % of the GPUs."""
-    result = replay(cluster, trace, policy, seed, stop_at=1.0)
+def at_level(cluster: Cluster, trace: PodList, policy: str, seed: int, level: int) -> dict[str, float]:
+    """One replay up to ``level``% arrived: its free milli by kind and the sharing bounds, in % of GPUs."""
+    result = replay(cluster, trace, policy, seed, stop_at=level / 100)
     assert result.cluster is not None
     shares = placed_sharing_shares(result, trace, cluster)
     kinds = free_gpu_milli(result.cluster, trace)
@@ -99,8 +107,8 @@ def at_full(cluster: Cluster, trace: PodList, policy: str, seed: int) -> dict[st
     return {key: round(100 * value / capacity, 4) for key, value in figures.items()}
 
 
-def plot(report: dict[str, dict[str, Any]], path: Path) -> None:
-    """Per trace, FGD's and pffs's unallocated GPUs at 100% arrived by kind, beside the sharing bounds."""
+def plot(report: dict[str, dict[str, Any]], path: Path, level: int) -> None:
+    """Per trace, FGD's and pffs's unallocated GPUs at ``level``% arrived by kind, beside the bounds."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -108,8 +116,8 @@ def plot(report: dict[str, dict[str, Any]], path: Path) -> None:
 
     names = list(report)
     fig, ax = plt.subplots(figsize=(max(2.6 * len(names) + 1, 9), 5))
-    kinds = (("whole_free", "whole free GPUs"), ("cpu_dead_slivers", "slivers, CPU-dead"))
-    kinds += (("open_slivers", "slivers, open"),)
+    kinds = [("whole_free", "whole free GPUs"), ("cpu_dead_slivers", "slivers, CPU-dead")]
+    kinds.append(("open_slivers", "slivers, open"))
     colours = ("tab:red", "tab:orange", "tab:blue")
     for i, name in enumerate(names):
         for j, policy in enumerate(POLICIES):
@@ -122,14 +130,15 @@ def plot(report: dict[str, dict[str, Any]], path: Path) -> None:
                 bottom += mean[key]
             ax.text(x, bottom + 0.03, policy, ha="center", fontsize=8)
         mean = report[name]["pffs"]["mean"]
-        for key, style, label in (
+        bounds: tuple[tuple[str, Literal["--", ":"], str], ...] = (
             ("sharing_alone_online_best_fit", "--", "pffs's sharing pods alone, online best fit"),
             ("sharing_alone_offline", ":", "the same, offline (all known in advance)"),
-        ):
+        )
+        for key, style, label in bounds:
             ax.hlines(mean[key], 3 * i - 0.5, 3 * i + 1.5, colors="black", linestyles=style)
             ax.plot([], [], "k" + style, label=label if i == 0 else None)
     ax.set_xticks([3 * i + 0.5 for i in range(len(names))], names)
-    ax.set_ylabel("GPUs unallocated at 100% arrived, % of capacity")
+    ax.set_ylabel(f"GPUs unallocated at {level}% arrived, % of capacity")
     ax.grid(axis="y", alpha=0.3)
     fig.legend(fontsize=8, loc="lower center", ncol=3)
     fig.tight_layout(rect=(0, 0.12, 1, 1))
@@ -139,6 +148,7 @@ def plot(report: dict[str, dict[str, Any]], path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = replay_parser(__doc__)
     parser.add_argument("--names", default=DEFAULT_NAMES, help="published traces or held-out mixes")
+    parser.add_argument("--stop-at", type=int, choices=(100, 130), default=100, help="arrived %% to stop at")
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "scheduler_headroom"))
     args = parser.parse_args(argv)
     folder = Path(args.traces)
@@ -158,12 +168,12 @@ def main(argv: list[str] | None = None) -> int:
                 per_seed = {}
                 for seed in seeds:
                     bar.set_description(f"{name} {policy} seed {seed}")
-                    per_seed[seed] = at_full(cluster, trace, policy, seed)
+                    per_seed[seed] = at_level(cluster, trace, policy, seed, args.stop_at)
                     bar.update()
                 keys = next(iter(per_seed.values()))
                 mean = {k: round(statistics.mean(s[k] for s in per_seed.values()), 3) for k in keys}
                 report.setdefault(name, {})[policy] = {"mean": mean, "per_seed": per_seed}
-    print(f"\nGPUs unallocated at 100% arrived, % of capacity, mean of seeds {args.seeds}")
+    print(f"\nGPUs unallocated at {args.stop_at}% arrived, % of capacity, mean of seeds {args.seeds}")
     header = f"{'trace':<12} {'policy':<6} {'unalloc':>8} {'whole':>7} {'CPU-dead':>9} {'open':>7}"
     print(header + f" {'alone: online':>14} {'offline':>8}")
     for name, policies in report.items():
@@ -180,12 +190,18 @@ def main(argv: list[str] | None = None) -> int:
             f"{'':<12} pffs - FGD {fgd['unallocated'] - pffs['unallocated']:+.3f}; FGD + {TARGET} needs "
             f"{needed:.3f} less unallocated, pffs's whole free GPUs are {pffs['whole_free']:.3f}"
         )
+        models = [k for k in pffs if k.startswith("slivers_on_") and (pffs[k] or fgd[k])]
+        print(
+            f"{'':<12} slivers by GPU model, pffs / FGD: "
+            + ", ".join(f"{k[len('slivers_on_') :]} {pffs[k]:.2f} / {fgd[k]:.2f}" for k in models)
+        )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    payload = {"cluster": {"nodes": cluster.size, "gpus": cluster.gpu_capacity_milli // MILLI}}
-    payload |= {"seeds": seeds, "unit": "% of the GPU capacity", "results": report}
+    gpus = cluster.gpu_capacity_milli // MILLI
+    payload: dict[str, Any] = {"cluster": {"nodes": cluster.size, "gpus": gpus}}
+    payload |= {"seeds": seeds, "stop_at": args.stop_at, "unit": "% of the GPU capacity", "results": report}
     out.with_suffix(".json").write_text(json.dumps(payload, indent=1))
-    plot(report, out.with_suffix(".png"))
+    plot(report, out.with_suffix(".png"), args.stop_at)
     print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
     return 0
 
