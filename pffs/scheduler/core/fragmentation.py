@@ -176,9 +176,9 @@ class TypicalShapes:
         shape's doubled, and with ``nodes`` a GPU shape's raised where its hosts or its models' GPUs are
         scarce (``scarcity``), renormalised. The shapes bound to GPU models share among themselves, by
         their models' scarcity, the weight their frequency gives them together: multiplied through, the
-        scarcity of small models took the shapes that accept any model from 55% to 26% of the GPU shapes'
-        weight on mix gpuspec45 and to 5% on gpuspec80, and with them most of what tells two nodes of one
-        model apart (gpuspec80, seeds 42-51: 0.26 points behind FGD at 130% arrived, 0.16 with this).
+        scarcity of small models left the shapes that accept any model 26% of the GPU shapes' weight on mix
+        gpuspec45 (59% with this) and 5% on gpuspec80 (20%), and with them most of what tells two nodes of
+        one model apart (gpuspec80, seeds 42-51: 0.26 points behind FGD at 130% arrived, 0.16 with this).
 
         ``stranded`` asks how much of a node each shape, filling it alone, would leave unused. A k-GPU shape
         leaves ALL the free GPUs of a node with fewer than k free, so at its pod frequency its term swamps
