@@ -93,16 +93,22 @@ class _CountsFile:
 
     @classmethod
     def create(cls, folder: Path) -> _CountsFile:
+        """A new counts file, locked before it takes its name: under that name an unlocked file is one
+        whose process ended, and a merge starting in another process (each DataLoader worker merges as it
+        starts) would take its zero counts and remove it, leaving this process counting into a file with
+        no name (a worker's 7 disk hits lost in a CI run)."""
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / f"{os.getpid()}-{secrets.token_hex(4)}{SUFFIX}"
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        unnamed = path.with_name(path.name + ".new")  # merges and totals read *.counts only
+        fd = os.open(unnamed, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)  # nobody else knows the name yet: never waits
+            fcntl.flock(fd, fcntl.LOCK_EX)  # nobody else knows the name: never waits
             os.ftruncate(fd, _SIZE)
+            os.rename(unnamed, path)  # the lock is the open file's: it goes with the new name
             return cls(path, fd)
         except BaseException:
             os.close(fd)
-            path.unlink(missing_ok=True)
+            unnamed.unlink(missing_ok=True)
             raise
 
     def add(self, index: int, amount: int) -> None:
