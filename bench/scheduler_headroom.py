@@ -116,8 +116,11 @@ def plot(report: dict[str, dict[str, Any]], path: Path, level: int) -> None:
 
     names = list(report)
     fig, ax = plt.subplots(figsize=(max(2.6 * len(names) + 1, 9), 5))
-    kinds = [("whole_free", "whole free GPUs"), ("cpu_dead_slivers", "slivers, CPU-dead")]
-    kinds.append(("open_slivers", "slivers, open"))
+    kinds = [
+        ("whole_free", "whole free GPUs"),
+        ("cpu_dead_slivers", "slivers, CPU-dead"),
+        ("open_slivers", "slivers, open"),
+    ]
     colours = ("tab:red", "tab:orange", "tab:blue")
     for i, name in enumerate(names):
         for j, policy in enumerate(POLICIES):
