@@ -218,11 +218,33 @@ def test_shapes_bound_to_a_gpu_model_weigh_against_that_models_gpus():
     bound = shapes.for_stranding(nodes)
     assert drop(bound, 0) > drop(bound, 19)
     # Between them, the bound shapes keep the weight of their 60 pods in 100 (A 45 x 160/144 against B 15 x
-    # 10, scaled back to 60): the any-model shape is not crowded out of the measure.
-    assert bound.prob.tolist() == pytest.approx([15 / 100, 40 / 100, 45 / 100])
+    # 10, scaled back to 60): the any-model shape is not crowded out of the measure. All are then divided
+    # by the part an average GPU's node accepts (``accessible_weight``, next test).
+    accepted = 1 - (144 * 45 + 16 * 15) / 100 / 160  # A's nodes cannot use B's 45%, B's nodes A's 15%
+    assert bound.prob.tolist() == pytest.approx([p / 100 / accepted for p in (15, 40, 45)])
     # By frequency alone, A's 45 pods outweigh B's 15 and the pod would take one of B's few GPUs.
     by_frequency = shapes.for_stranding()
     assert drop(by_frequency, 0) < drop(by_frequency, 19)
+
+
+def test_the_shapes_a_node_accepts_weigh_one_on_the_average_gpus_node():
+    # 18 nodes of model A, 2 of B; by frequency, 45 pods bound to A, 40 to any model, 15 to B.
+    cluster = cluster_of(*[(96000, 10**6, 8, "A")] * 18, *[(96000, 10**6, 8, "B")] * 2)
+    nodes = cluster.capacities()
+    trace = pods_of(
+        *[(8000, 1, MILLI, 1, "A")] * 45, *[(8000, 1, MILLI, 1, "")] * 40, *[(8000, 1, MILLI, 1, "B")] * 15
+    )
+    shapes = TypicalShapes.from_pods(trace, cluster, popularity=100, nodes=nodes)
+    # A's nodes (144 of the 160 GPUs) cannot use B's 15%, B's nodes cannot use A's 45%.
+    assert shapes.accessible_weight(nodes) == pytest.approx(1 - (144 * 0.15 + 16 * 0.45) / 160)
+    weighted = shapes.for_stranding(nodes)
+    accepted = shapes._accepts(nodes.model_bits) @ weighted.prob  # per node: the weight its GPUs can use
+    assert float(accepted @ nodes.gpus) / float(nodes.gpus.sum()) == pytest.approx(1.0)
+    # The pods that accept any model: nothing to divide by, the weights sum to 1 exactly as before.
+    anywhere = pods_of(*[(8000, 1, MILLI, 1, "")] * 40, *[(4000, 1, 500, 1, "")] * 20)
+    plain = TypicalShapes.from_pods(anywhere, cluster, popularity=100, nodes=nodes)
+    assert plain.accessible_weight(nodes) == 1.0
+    assert plain.for_stranding(nodes).prob.tolist() == plain.for_stranding().prob.tolist()
 
 
 def test_sharing_pods_score_coarser_where_whole_gpu_shapes_weigh():

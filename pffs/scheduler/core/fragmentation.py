@@ -12,7 +12,8 @@ ties.
 
 pffs's own measure, ``waste``, adds to it what filling a node with each shape would strand (``stranded``),
 over FGD's shapes and the rare ones that few nodes can run (``from_counts`` and ``scarcity`` with ``nodes``),
-with shapes bound to GPU models weighed against those models' GPUs (``scarcity``).
+with shapes bound to GPU models weighed against those models' GPUs (``scarcity``) and the weights scaled so
+that what a node's model accepts weighs 1 on average (``accessible_weight``).
 Both floors above use them: the session's fragmentation score (``waste``, through ``scoring.py``) and the
 trace replay's policies (FGD's ``fragmentation``, pffs's ``waste``). It reads plain arrays, so the replay's
 ``PodList`` and ``Cluster`` come in by shape (``PodColumns``, ``ModelMasks``) and nothing here imports them.
@@ -179,6 +180,8 @@ class TypicalShapes:
         scarcity of small models left the shapes that accept any model 26% of the GPU shapes' weight on mix
         gpuspec45 (59% with this) and 5% on gpuspec80 (20%), and with them most of what tells two nodes of
         one model apart (gpuspec80, seeds 42-51: 0.26 points behind FGD at 130% arrived, 0.16 with this).
+        With ``nodes``, the weights are then divided by the part the nodes' models accept
+        (``accessible_weight``), so that part weighs 1 on average whether or not shapes are bound.
 
         ``stranded`` asks how much of a node each shape, filling it alone, would leave unused. A k-GPU shape
         leaves ALL the free GPUs of a node with fewer than k free, so at its pod frequency its term swamps
@@ -198,7 +201,28 @@ class TypicalShapes:
                 scaled[bound] *= weight[bound].sum() / scaled[bound].sum()
             weight = scaled
         total = weight.sum()
-        return replace(self, prob=weight / total if total > 0 else weight)
+        weighted = replace(self, prob=weight / total if total > 0 else weight)
+        if nodes is None:
+            return weighted
+        return replace(weighted, prob=weighted.prob / max(weighted.accessible_weight(nodes), 1e-9))
+
+    def accessible_weight(self, nodes: NodeCapacities) -> float:
+        """The part of the weight on the shapes that accept a node's GPU model, averaged over the cluster's
+        GPUs: 1 where no shape is bound to a model.
+
+        On a node of model X, a shape bound to other models counts all the node's free milli, so every pod
+        placed there lowers its term by the pod's milli times its weight, whichever node of X it takes: the
+        differences between the nodes of X come from the shapes that accept X alone. ``for_stranding``
+        divides the weights by this, so those shapes weigh 1 on an average node, as all shapes do on a
+        trace with no bound pods, where the scores' temperature (``PffsPolicy.TEMPERATURE``) was set. Left
+        at 0.42 (mix gpuspec80), the same differences scored as if the temperature were 2.4 times higher:
+        near-equal placements tied and went to the seed's first node, and sharing pods broke GPUs on nodes
+        whose CPU then ran out (seeds 42-51: 0.16 points behind FGD at 130% arrived; 0.26 ahead with this)."""
+        total = float(self.prob.sum())
+        if total <= 0:
+            return 1.0
+        refused = (~self._accepts(nodes.model_bits)) @ self.prob  # per node: the weight that cannot use it
+        return 1.0 - float(refused @ nodes.gpus) / max(float(nodes.gpus.sum()), 1.0) / total
 
     def hosts(self, nodes: NodeCapacities) -> IntArray:
         """Per shape: the nodes that could run one of its pods when empty (CPU, GPUs, an accepted model)."""

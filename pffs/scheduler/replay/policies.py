@@ -270,7 +270,8 @@ class PffsPolicy(FgdPolicy):
     the filling sees the long run, the next pod what is left when the cluster is nearly full. The shapes
     are FGD's and the rare ones few nodes can run, weighted up where their pods would fill those nodes,
     and those bound to GPU models weighed against those models' GPUs within the weight their frequency
-    gives them together (``TypicalShapes.from_counts``, ``scarcity`` and ``for_stranding`` with the
+    gives them together, all scaled so that the shapes a node's GPU model accepts weigh 1 on average
+    (``TypicalShapes.from_counts``, ``scarcity``, ``for_stranding`` and ``accessible_weight`` with the
     cluster's ``capacities``). Its drop is
     scored on a coarser sigmoid than FGD's (``TEMPERATURE`` milli instead of 1000), so near-equal moves tie
     and the seed's node order packs them onto the same nodes.
