@@ -51,16 +51,12 @@ SPEED_FLOOR = 5000  # pods/s of pffs on the 1,213-node cluster (issue 16)
 # it. Round 4 (stop 23) was named before any policy ran on it, with a rule that decided a candidate by it
 # alone: the candidate (sharing weight 3) failed, and gpuspec45 showed the committed policy 0.45 points
 # behind FGD. The bound-shape weighting (``scarcity`` of shapes bound to GPU models) was made on it, and
-# round 5 was named before that ran on any of it, with the rule that adopted it. Round 6 (stop 24) was named
-# before any policy ran on it, with a rule for any change tried after: adopt it only if its least margin over
-# FGD on round 6 (both loads) is 0.2 or more, or else higher than the committed policy's, and on the rows of
-# rounds 0-5 none turns negative and none falls below 0.2 that was at it. Round 7 (stop 25) was named before
-# any policy ran on it, with the same rule one round on: a change is adopted only if its least margin on
-# round 7 (both loads) is 0.2 or more, or else higher than the committed policy's, and on rounds 0-6 no row
-# turns negative and none falls below 0.2 that was at it. Round 8 (stop 25) was named before any policy ran
-# on it, with that rule one round on, and one clarification round 7 showed was needed: the least margin is
-# taken over the rows the change moves (a row it replays bit-identically cannot tell for or against it).
-# Every round was kept.
+# round 5 was named before that ran on any of it, with the rule that adopted it. Rounds 6 (stop 24), 7 and 8
+# (stop 25) were each named before any policy ran on them, with one rule for the change tried after: adopt it
+# only if its least margin over FGD on the newest round (both loads) is 0.2 or more, or else higher than the
+# committed policy's, and on the earlier rounds no row turns negative and none falls below 0.2 that was at
+# it. From round 8 the least margin is taken over the rows the change moves (round 7 showed why: a row it
+# replays bit-identically cannot tell for or against it). Every round was kept.
 HELD_OUT_ROUNDS = (
     (
         "multigpu25",
