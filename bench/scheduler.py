@@ -52,11 +52,12 @@ SPEED_FLOOR = 5000  # pods/s of pffs on the 1,213-node cluster (issue 16)
 # alone: the candidate (sharing weight 3) failed, and gpuspec45 showed the committed policy 0.45 points
 # behind FGD. The bound-shape weighting (``scarcity`` of shapes bound to GPU models) was made on it, and
 # round 5 was named before that ran on any of it, with the rule that adopted it. Rounds 6 (stop 24), 7 and 8
-# (stop 25) were each named before any policy ran on them, with one rule for the change tried after: adopt it
-# only if its least margin over FGD on the newest round (both loads) is 0.2 or more, or else higher than the
-# committed policy's, and on the earlier rounds no row turns negative and none falls below 0.2 that was at
-# it. From round 8 the least margin is taken over the rows the change moves (round 7 showed why: a row it
-# replays bit-identically cannot tell for or against it). Every round was kept.
+# (stop 25) and 9 (stop 26, named after round 8's nongpu38/45 had been seen) were each named before any
+# policy ran on them, with one rule for the change tried after: adopt it only if its least margin over FGD
+# on the newest round (both loads) is 0.2 or more, or else higher than the committed policy's, and on the
+# earlier rounds no row turns negative and none falls below 0.2 that was at it. From round 8 the least
+# margin is taken over the rows the change moves (round 7 showed why: a row it replays bit-identically
+# cannot tell for or against it). Every round was kept.
 HELD_OUT_ROUNDS = (
     (
         "multigpu25",
@@ -121,12 +122,23 @@ HELD_OUT_ROUNDS = (
         "nongpu38",
         "nongpu45",
     ),
+    (
+        "multigpu44",
+        "multigpu56",
+        "gpushare48",
+        "gpushare72",
+        "gpuspec52",
+        "gpuspec68",
+        "nongpu33",
+        "nongpu42",
+        "nongpu50",
+    ),
 )
 HELD_OUT = tuple(mix for round_mixes in HELD_OUT_ROUNDS for mix in round_mixes)
 
 
 def held_out_round(name: str) -> int:
-    """The round (1-8) a held-out mix was made in, 0 for a published trace."""
+    """The round (1-9) a held-out mix was made in, 0 for a published trace."""
     return next((i for i, mixes in enumerate(HELD_OUT_ROUNDS, 1) if name in mixes), 0)
 
 
