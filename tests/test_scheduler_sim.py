@@ -18,7 +18,14 @@ from pffs.scheduler.replay import metrics
 from pffs.scheduler.replay.go_rand import GoRand
 from pffs.scheduler.replay.mixes import make_mix
 from pffs.scheduler.replay.model import MILLI, Cluster, Pod, PodList
-from pffs.scheduler.replay.policies import POLICIES, BestFitPolicy, FgdPolicy, PffsPolicy, make_policy
+from pffs.scheduler.replay.policies import (
+    POLICIES,
+    BestFitPolicy,
+    CpuContestedPolicy,
+    FgdPolicy,
+    PffsPolicy,
+    make_policy,
+)
 from pffs.scheduler.replay.simulate import replay
 from pffs.scheduler.replay.traces import load_nodes, load_pods, replay_order
 
@@ -119,6 +126,9 @@ def test_waste_is_stranded_plus_the_weighted_next_pod_fragment_on_the_openb_clus
     for shapes in (typical, weighted):
         expected = shapes.stranded(cpu, gpus, bits) + NEXT_POD_WEIGHT * shapes.fragmentation(cpu, gpus, bits)
         assert shapes.waste(cpu, gpus, bits) == pytest.approx(expected, rel=1e-12, abs=1e-9)
+        assert shapes.next_pod(cpu, gpus, bits) == pytest.approx(
+            shapes.fragmentation(cpu, gpus, bits), rel=1e-12, abs=1e-9
+        )
     # The pffs policy measures with it, over FGD's shapes and the 8-GPU 120-core ones only the 39 nodes of
     # 128 cores can run (5 such pods in default: about a seventh of those nodes' GPUs).
     policy = make_policy("pffs", cluster, pods, GoRand(1))
@@ -287,6 +297,38 @@ def test_pffs_sees_the_gpus_a_cpu_heavy_pod_would_strand_where_fgd_does_not():
     # Stranded: 2 of 4 GPUs, weighted by the GPU shape's probability among the typical shapes (4 of 5 pods).
     one_node = (np.array([8000]), cluster.gpu_free[:1], cluster.model_bits()[:1])
     assert typical.stranded(*one_node).tolist() == [0.8 * 2000]
+
+
+def test_where_cpu_only_pods_ask_for_half_the_cpu_gpu_pods_tie_to_the_node_with_least_cpu_per_gpu_left():
+    # Two nodes of 2 GPUs: 64 cores and 16. The GPU pods need 4 cores per GPU.
+    cluster = cluster_of((64000, 10**6, 2, "A"), (16000, 10**6, 2, "A"))
+    nodes = cluster.capacities()
+    light = pods_of(*[(4000, 1, MILLI, 1, "")] * 4, (12000, 1, 0, 0, ""))
+    # CPU-only cores per GPU asked for (12000 x 1/5 over 4/5 GPU), times the cluster's 4 GPUs over 80 cores
+    assert TypicalShapes.from_pods(light, cluster, nodes=nodes).cpu_only_demand(nodes) == pytest.approx(0.15)
+    assert isinstance(make_policy("pffs", cluster, light, GoRand(1)), PffsPolicy)
+    crowded = pods_of(*[(4000, 1, MILLI, 1, "")] * 4, *[(12000, 1, 0, 0, "")] * 4)
+    assert TypicalShapes.from_pods(crowded, cluster, nodes=nodes).cpu_only_demand(nodes) == pytest.approx(0.6)
+    policy = make_policy("pffs", cluster, crowded, GoRand(1))
+    assert isinstance(policy, CpuContestedPolicy)
+    gpu_pod, cpu_pod, both = (
+        Pod(4000, 1, MILLI, 1, ANY_MODEL),
+        Pod(12000, 1, 0, 0, ANY_MODEL),
+        np.array([0, 1]),
+    )
+    # Either node keeps room for the other GPU: the measure ties them, and pffs's own policy too.
+    assert len(set(policy.cpu_pods.scores(cluster, gpu_pod, both).tolist())) == 1
+    contested = policy.scores(cluster, gpu_pod, both)
+    # The contested policy breaks the tie (by under a point) for the node left with 12 cores for its free
+    # GPU, not 60: the 64-core node's CPU is the one CPU-only pods can take without stranding a GPU.
+    assert np.floor(contested[0]) == np.floor(contested[1]) and contested[1] > contested[0]
+    # CPU-only pods are placed by pffs's own scores: the 16-core node would strand a GPU (4 cores left).
+    cpu_scores = policy.scores(cluster, cpu_pod, both)
+    assert cpu_scores.tolist() == policy.cpu_pods.scores(cluster, cpu_pod, both).tolist()
+    assert cpu_scores[0] > cpu_scores[1]
+    # Its GPU pods are scored on FGD's next-pod fragment, at FGD's temperature.
+    state = (cluster.cpu_free, cluster.gpu_free, cluster.model_bits())
+    assert policy.gpu_pods._measure(*state).tolist() == policy.gpu_pods.typical.next_pod(*state).tolist()
 
 
 def test_alloc_at_averages_the_events_that_round_to_the_level():

@@ -224,6 +224,18 @@ class TypicalShapes:
         refused = (~self._accepts(nodes.model_bits)) @ self.prob  # per node: the weight that cannot use it
         return 1.0 - float(refused @ nodes.gpus) / max(float(nodes.gpus.sum()), 1.0) / total
 
+    def cpu_only_demand(self, nodes: NodeCapacities) -> float:
+        """The part of the cluster's CPU that the CPU-only pods ask for by the time the GPU pods have asked
+        for all its GPUs (100% arrived), from the shapes' pod frequencies (so before ``for_stranding``):
+        0.18 on openb's default, 0.28 on gpushare100 (the most of any published trace), 0.56 on mix
+        nongpu30, 1.09 on nongpu45. 0 where no shape asks for a GPU."""
+        gpu_shape = self.share > 0
+        gpus = float((self.prob * self.share * np.maximum(self.count, 1))[gpu_shape].sum()) / MILLI
+        cores = float((self.prob * self.cpu)[~gpu_shape].sum())
+        if gpus <= 0:
+            return 0.0
+        return cores / gpus * float(nodes.gpus.sum()) / max(float(nodes.cpu.sum()), 1.0)
+
     def hosts(self, nodes: NodeCapacities) -> IntArray:
         """Per shape: the nodes that could run one of its pods when empty (CPU, GPUs, an accepted model)."""
         return np.asarray(self._host_mask(nodes).sum(axis=1), dtype=np.int64)
@@ -348,6 +360,12 @@ class TypicalShapes:
         come from one pass over the nodes' GPUs (the divisions are the costly part)."""
         left, next_pod = self._per_shape(cpu_free, gpu_free, model_bits)
         return np.asarray((left + NEXT_POD_WEIGHT * next_pod) @ self.prob, dtype=np.float64)
+
+    def next_pod(self, cpu_free: IntArray, gpu_free: IntArray, model_bits: IntArray) -> FloatArray:
+        """FGD's fragment of each node for one more pod of each shape alone (``waste``'s second term; FGD's
+        meaning, not its float-for-float order)."""
+        _, next_pod = self._per_shape(cpu_free, gpu_free, model_bits)
+        return np.asarray(next_pod.astype(np.float64) @ self.prob, dtype=np.float64)
 
     def _per_shape(
         self, cpu_free: IntArray, gpu_free: IntArray, model_bits: IntArray
