@@ -227,7 +227,7 @@ class TypicalShapes:
     def cpu_only_demand(self, nodes: NodeCapacities) -> float:
         """The part of the cluster's CPU that the CPU-only pods ask for by the time the GPU pods have asked
         for all its GPUs (100% arrived), from the shapes' pod frequencies (so before ``for_stranding``):
-        0.18 on openb's default, 0.28 on gpushare100 (the most of any published trace), 0.56 on mix
+        0.20 on openb's default, 0.28 on gpushare100 (the most of any published trace), 0.56 on mix
         nongpu30, 1.09 on nongpu45. 0 where no shape asks for a GPU."""
         gpu_shape = self.share > 0
         gpus = float((self.prob * self.share * np.maximum(self.count, 1))[gpu_shape].sum()) / MILLI
