@@ -282,6 +282,9 @@ class PffsPolicy(FgdPolicy):
     whole one, and letting the finer differences of the sharing terms tie packs sharing pods onto the nodes
     the seed ranks first. On a sharing-only trace nothing changes (fraction 0): there the sharing terms are
     all the measure has. The README's ablation gives each part's contribution.
+
+    Where the CPU-only pods ask for half the cluster's CPU or more, the ``pffs`` policy is
+    ``CpuContestedPolicy``: this class still places the CPU-only pods, ``ContestedGpuPolicy`` the GPU pods.
     """
 
     name = "pffs"
