@@ -316,8 +316,8 @@ class ContestedGpuPolicy(PffsPolicy):
     Where CPU-only pods will take most of the CPU, filling a node with GPU pods (``stranded``) is not
     what happens to it: its CPU goes to whichever pod comes next. On mix nongpu40 (seeds 42-51, pffs -
     FGD at 100% arrived) GPU pods placed on ``waste`` left pffs 0.27 points behind FGD; on the next-pod
-    fragment at FGD's temperature, +0.30; with the tie-break, +1.94. The tie-break spends the CPU of the
-    nodes with many GPUs a core on GPU pods first and leaves to the CPU-only pods the CPU of nodes with few
+    fragment at FGD's temperature, +0.30; with the tie-break, +1.94. The tie-break spends on GPU pods first
+    the CPU of nodes with little CPU per GPU, and leaves to the CPU-only pods the CPU of nodes with much
     (openb's 104-core nodes have 2 GPUs): at nongpu40's 100% point those pods took as much CPU as before,
     but stranded 2 GPUs a node there rather than 8 on the 96-core nodes. It orders ties only (under half a
     point). As a tie-break of ``PffsPolicy`` it put pffs 0.7-6.9 points behind FGD on the four published
