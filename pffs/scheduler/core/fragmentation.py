@@ -46,6 +46,37 @@ NEXT_POD_WEIGHT = 0.55
 # pffs's shapes: FGD's, and every rarer GPU shape (any model) that at most this part of the nodes can run
 RARE_SHAPE_HOSTS = 0.1
 
+# pffs's placement score, in the trace policy (``PffsPolicy``) and the gang session alike: the drop of the
+# measure on a sigmoid of this many milli, cut to whole points (``score_points``), so that near-equal moves
+# tie and the fixed node order packs them. 2000-8000 all beat FGD on default and gpushare100; 4000 was best.
+TEMPERATURE = 4000.0
+# A sharing pod's temperature is up to twice that, in step with the whole-GPU shapes' part of the weight
+# times this (``TypicalShapes.sharing_temperature``): 2.5, 3.5 and 4 were measured, 3.5 lost on no trace.
+SHARING_COARSENING = 3.5
+# From this part of the cluster's CPU asked for by CPU-only pods (``TypicalShapes.cpu_only_demand``), the
+# CPU is contested and GPU pods are placed on ``next_pod`` at FGD's temperature, ties to the node left with
+# the least CPU per free GPU (``contested_tie_break``). Every published trace is at 0.28 or less; on the
+# held-out mixes the switch helped from 0.43 (nongpu25: +0.75 -> +0.87 against FGD) and hurt at 0.33
+# (nongpu20: +0.98 -> -0.33).
+CONTESTED_CPU = 0.5
+CONTESTED_TEMPERATURE = 1000.0
+POINTS = 100  # a score's whole points (the reference simulator's plugins score 0-100)
+
+
+def score_points(drop: FloatArray, temperature: float) -> FloatArray:
+    """The drop of the measure (before - after, milli) as whole points of a sigmoid: 50 for no change."""
+    with np.errstate(over="ignore"):
+        return np.asarray(np.floor(float(POINTS) / (1.0 + np.exp(-drop / temperature))), dtype=np.float64)
+
+
+def contested_tie_break(cpu_left: IntArray, gpu_milli_left: IntArray) -> FloatArray:
+    """Where the CPU is contested, a GPU pod's preference (0-1, highest first) among nodes that score alike:
+    the node it leaves with the least free CPU per free GPU. A node left without a free GPU counts half a
+    GPU, so its CPU left still sorts it; any falling function orders the ties alike, this one reads 0.25 at
+    12 cores a GPU."""
+    cpu_per_gpu = cpu_left / np.maximum(gpu_milli_left / float(MILLI), 0.5)
+    return np.asarray(1.0 / (1.0 + cpu_per_gpu / 12000.0), dtype=np.float64)
+
 
 class PodColumns(Protocol):
     """A trace's pods as columns (the replay's ``PodList``): what ``TypicalShapes.from_pods`` reads."""
@@ -214,7 +245,7 @@ class TypicalShapes:
         placed there lowers its term by the pod's milli times its weight, whichever node of X it takes: the
         differences between the nodes of X come from the shapes that accept X alone. ``for_stranding``
         divides the weights by this, so those shapes weigh 1 on an average node, as all shapes do on a
-        trace with no bound pods, where the scores' temperature (``PffsPolicy.TEMPERATURE``) was set. Left
+        trace with no bound pods, where the scores' temperature (``TEMPERATURE``) was set. Left
         at 0.42 (mix gpuspec80), the same differences scored as if the temperature were 2.4 times higher:
         near-equal placements tied and went to the seed's first node, and sharing pods broke GPUs on nodes
         whose CPU then ran out (seeds 42-51: 0.16 points behind FGD at 130% arrived; 0.26 ahead with this)."""
@@ -310,6 +341,13 @@ class TypicalShapes:
         whole = float(self.prob[self.share >= MILLI].sum())
         gpu = whole + float(self.prob[sharing].sum())
         return whole / gpu if gpu > 0 else 0.0
+
+    def sharing_temperature(self) -> float:
+        """A sharing pod's temperature: coarser where whole-GPU shapes carry much of the weight (up to twice
+        ``TEMPERATURE``). There the whole-GPU term already tells a broken GPU from a whole one, and letting
+        the finer differences of the sharing terms tie packs sharing pods onto the nodes ranked first; on a
+        trace of sharing pods only it is ``TEMPERATURE`` (those terms are all the measure has)."""
+        return TEMPERATURE * (1.0 + min(SHARING_COARSENING * self.whole_gpu_fraction(), 1.0))
 
     def fragmentation(self, cpu_free: IntArray, gpu_free: IntArray, model_bits: IntArray) -> FloatArray:
         """F for each of M node states: ``cpu_free`` (M,), ``gpu_free`` (M, GPUs), ``model_bits`` (M,)."""

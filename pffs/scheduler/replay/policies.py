@@ -24,7 +24,14 @@ from typing import Protocol
 
 import numpy as np
 
-from pffs.scheduler.core.fragmentation import TypicalShapes
+from pffs.scheduler.core.fragmentation import (
+    CONTESTED_CPU,
+    CONTESTED_TEMPERATURE,
+    TEMPERATURE,
+    TypicalShapes,
+    contested_tie_break,
+    score_points,
+)
 from pffs.scheduler.replay.go_rand import GoRand
 from pffs.scheduler.replay.model import MILLI, Cluster, IntArray, Pod, PodList
 
@@ -273,39 +280,28 @@ class PffsPolicy(FgdPolicy):
     gives them together, all scaled so that the shapes a node's GPU model accepts weigh 1 on average
     (``TypicalShapes.from_counts``, ``scarcity``, ``for_stranding`` and ``accessible_weight`` with the
     cluster's ``capacities``). Its drop is
-    scored on a coarser sigmoid than FGD's (``TEMPERATURE`` milli instead of 1000), so near-equal moves tie
-    and the seed's node order packs them onto the same nodes.
-
-    A sharing pod's score is coarser still where whole-GPU pods carry much of the measure: up to twice the
-    temperature, in step with the whole-GPU shapes' part of the weight (``TypicalShapes.whole_gpu_fraction``
-    times ``SHARING_COARSENING``, capped at 1). There the whole-GPU term already tells a broken GPU from a
-    whole one, and letting the finer differences of the sharing terms tie packs sharing pods onto the nodes
-    the seed ranks first. On a sharing-only trace nothing changes (fraction 0): there the sharing terms are
-    all the measure has. The README's ablation gives each part's contribution.
+    scored on a coarser sigmoid than FGD's (``TEMPERATURE`` milli instead of 1000, ``score_points``), so
+    near-equal moves tie and the seed's node order packs them onto the same nodes; a sharing pod's, coarser
+    still where whole-GPU pods carry much of the measure (``TypicalShapes.sharing_temperature``). The gang
+    session scores with the same measure and points (``scoring.fragmentation``). The README's ablation
+    gives each part's contribution.
 
     Where the CPU-only pods ask for half the cluster's CPU or more, the ``pffs`` policy is
     ``CpuContestedPolicy``: this class still places the CPU-only pods, ``ContestedGpuPolicy`` the GPU pods.
     """
 
     name = "pffs"
-    TEMPERATURE = (
-        4000.0  # 2000-8000 all beat FGD on default and gpushare100; 4000 was best (bench/scheduler.py)
-    )
-    # 2.5, 3.5 and 4 were measured (seeds 42-51; see README): 3.5 is the one that lost on no trace
-    SHARING_COARSENING = 3.5
+    TEMPERATURE = TEMPERATURE
 
     def __init__(self, cluster: Cluster, typical: TypicalShapes) -> None:
         super().__init__(cluster, typical)
-        coarser = min(self.SHARING_COARSENING * typical.whole_gpu_fraction(), 1.0)
-        self.sharing_temperature = self.TEMPERATURE * (1.0 + coarser)
+        self.sharing_temperature = typical.sharing_temperature()
 
     def _measure(self, cpu_free: IntArray, gpu_free: IntArray, model_bits: IntArray) -> np.ndarray:
         return self.typical.waste(cpu_free, gpu_free, model_bits)
 
     def _score(self, pod: Pod, before: np.ndarray, after: np.ndarray) -> np.ndarray:
-        temperature = self.sharing_temperature if pod.is_sharing else self.TEMPERATURE
-        with np.errstate(over="ignore"):
-            return np.floor(float(MAX_SCORE) / (1.0 + np.exp(-(before - after) / temperature)))
+        return score_points(before - after, self.sharing_temperature if pod.is_sharing else self.TEMPERATURE)
 
 
 class ContestedGpuPolicy(PffsPolicy):
@@ -323,7 +319,7 @@ class ContestedGpuPolicy(PffsPolicy):
     point). As a tie-break of ``PffsPolicy`` it put pffs 0.7-6.9 points behind FGD on the four published
     traces screened (default, gpushare40, gpushare80, multigpu30), whose packing rests on the seed's ties."""
 
-    TEMPERATURE = 1000.0
+    TEMPERATURE = CONTESTED_TEMPERATURE
 
     def __init__(self, cluster: Cluster, typical: TypicalShapes) -> None:
         super().__init__(cluster, typical)
@@ -334,11 +330,9 @@ class ContestedGpuPolicy(PffsPolicy):
 
     def scores(self, cluster: Cluster, pod: Pod, nodes: IntArray) -> np.ndarray:
         scores = super().scores(cluster, pod, nodes)
-        gpus_left = (cluster.gpu_free[nodes].sum(axis=1) - pod.gpu_milli) / float(MILLI)
-        # A node the pod leaves without a free GPU counts half a GPU: its CPU left is what sorts it. Any
-        # falling function below one point orders the ties alike; this one reads 0.25 at 12 cores a GPU.
-        cpu_per_gpu = (cluster.cpu_free[nodes] - pod.cpu) / np.maximum(gpus_left, 0.5)
-        return scores + 0.5 / (1.0 + cpu_per_gpu / 12000.0)
+        gpu_left = cluster.gpu_free[nodes].sum(axis=1) - pod.gpu_milli
+        # under one point: it orders ties only
+        return scores + 0.5 * contested_tie_break(cluster.cpu_free[nodes] - pod.cpu, gpu_left)
 
 
 class CpuContestedPolicy:
@@ -369,12 +363,6 @@ class CpuContestedPolicy:
 def _fgd_score(before: np.ndarray, after: np.ndarray) -> IntArray:
     with np.errstate(over="ignore"):
         return (1.0 / (1.0 + np.exp(-((before - after) / 1000))) * float(MAX_SCORE)).astype(np.int64)
-
-
-# From this part of the cluster's CPU asked for by CPU-only pods (``TypicalShapes.cpu_only_demand``), the
-# CPU is contested: every published trace is at 0.28 or less, and on the held-out mixes the switch helped
-# from 0.43 (nongpu25: +0.75 -> +0.87 against FGD) and hurt at 0.33 (nongpu20: +0.98 -> -0.33).
-CONTESTED_CPU = 0.5
 
 
 def _pffs(cluster: Cluster, trace: PodList) -> PffsPolicy | CpuContestedPolicy:
