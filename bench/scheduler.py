@@ -29,6 +29,9 @@ from tqdm import tqdm
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from pffs.scheduler.core.objects import Pod, PodGroup, Queue  # noqa: E402
+from pffs.scheduler.core.session import run_session  # noqa: E402
+from pffs.scheduler.replay.as_session import session_group, session_nodes  # noqa: E402
 from pffs.scheduler.replay.mixes import make_mix  # noqa: E402
 from pffs.scheduler.replay.model import Cluster, PodList  # noqa: E402
 from pffs.scheduler.replay.policies import POLICIES  # noqa: E402
@@ -52,12 +55,12 @@ SPEED_FLOOR = 5000  # pods/s of pffs on the 1,213-node cluster (issue 16)
 # alone: the candidate (sharing weight 3) failed, and gpuspec45 showed the committed policy 0.45 points
 # behind FGD. The bound-shape weighting (``scarcity`` of shapes bound to GPU models) was made on it, and
 # round 5 was named before that ran on any of it, with the rule that adopted it. Rounds 6 (stop 24), 7 and 8
-# (stop 25), 9 (stop 26, named after round 8's nongpu38/45 had been seen) and 10 (stop 27) were each named before any
-# policy ran on them, with one rule for the change tried after: adopt it only if its least margin over FGD
-# on the newest round (both loads) is 0.2 or more, or else higher than the committed policy's, and on the
-# earlier rounds no row turns negative and none falls below 0.2 that was at it. From round 8 the least
-# margin is taken over the rows the change moves (round 7 showed why: a row it replays bit-identically
-# cannot tell for or against it). Every round was kept.
+# (stop 25), 9 (stop 26, named after round 8's nongpu38/45 had been seen) and 10 (stop 27) were each named
+# before any policy ran on them, with one rule for the change tried after: adopt it only if its least
+# margin over FGD on the newest round (both loads) is 0.2 or more, or else higher than the committed
+# policy's, and on the earlier rounds no row turns negative and none falls below 0.2 that was at it. From
+# round 8 the least margin is taken over the rows the change moves (round 7 showed why: a row it replays
+# bit-identically cannot tell for or against it). Every round was kept.
 HELD_OUT_ROUNDS = (
     (
         "multigpu25",
@@ -248,33 +251,8 @@ def summarize(results: list[ReplayResult]) -> dict[str, Any]:
 def session_speed(cluster: Cluster, trace: PodList, pods: int = 2000) -> dict[str, float]:
     """Pods/s of the gang core (``run_session``) placing the trace's first pods, each its own group, then
     8-pod gangs, on the trace cluster in one session (NVLink groups of 4, 16 nodes per ToR)."""
-    from pffs.scheduler.core.objects import Gpu, Node, Pod, PodGroup, Queue
-    from pffs.scheduler.core.session import run_session
-
-    nodes = [
-        Node(
-            name,
-            int(cluster.cpu_capacity[i]),
-            int(cluster.mem_capacity[i]),
-            tuple(Gpu(g, g // 4, g // 4) for g in range(int(cluster.gpu_count[i]))),
-            cluster.model_names[cluster.gpu_model[i]] if cluster.gpu_model[i] >= 0 else "",
-            f"tor{i // 16}",
-        )
-        for i, name in enumerate(cluster.names)
-    ]
-    singles = []
-    for i in range(min(pods, len(trace))):  # load_pods already clipped shares and made 0-milli pods CPU-only
-        models = frozenset(m for m in trace.specs[i].split("|") if m)
-        pod = Pod(
-            trace.names[i],
-            f"g{i}",
-            int(trace.cpu[i]),
-            int(trace.mem[i]),
-            int(trace.count[i]),
-            int(trace.share[i]),
-            models,
-        )
-        singles.append(PodGroup(f"g{i}", "default", [pod], 1, 0, float(i)))
+    nodes = session_nodes(cluster)
+    singles = [session_group(trace, i, f"g{i}", float(i)) for i in range(min(pods, len(trace)))]
     gangs = [
         PodGroup(
             f"j{j}",

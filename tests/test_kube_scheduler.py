@@ -483,7 +483,7 @@ weights: {locality: 2.5, tor: 0}
     assert research.weight == 3 and research.overcommit and not research.reclaimable
     assert research.guaranteed == Resources(16_000, 64 * GIB_MIB, 4 * MILLI)
     assert research.capability == Resources(64_000, 256 * GIB_MIB, 16 * MILLI)
-    assert weights == {"binpack": 1.0, "fragmentation": 1.0, "topology": 1.0, "tor": 0.0, "locality": 2.5}
+    assert weights == {"binpack": 0.0, "fragmentation": 1.0, "topology": 1.0, "tor": 0.0, "locality": 2.5}
     # a capability naming some resources leaves the others unlimited; a bare list works too
     partial, none = parse_queues([{"name": "q", "capability": {"nvidia.com/gpu": 2}}])
     assert partial[0].capability == Resources(UNLIMITED.cpu_milli, UNLIMITED.memory_mib, 2 * MILLI)

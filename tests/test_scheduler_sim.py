@@ -14,7 +14,10 @@ from hypothesis import strategies as st
 
 from pffs.cli.main import main as pffs_main
 from pffs.scheduler.core.fragmentation import ANY_MODEL, NEXT_POD_WEIGHT, TypicalShapes
+from pffs.scheduler.core.objects import Queue
+from pffs.scheduler.core.session import run_session
 from pffs.scheduler.replay import metrics
+from pffs.scheduler.replay.as_session import ranked_names, session_group, session_nodes
 from pffs.scheduler.replay.go_rand import GoRand
 from pffs.scheduler.replay.mixes import make_mix
 from pffs.scheduler.replay.model import MILLI, Cluster, Pod, PodList
@@ -329,6 +332,42 @@ def test_where_cpu_only_pods_ask_for_half_the_cpu_gpu_pods_tie_to_the_node_with_
     # Its GPU pods are scored on FGD's next-pod fragment, at FGD's temperature.
     state = (cluster.cpu_free, cluster.gpu_free, cluster.model_bits())
     assert policy.gpu_pods._measure(*state).tolist() == policy.gpu_pods.typical.next_pod(*state).tolist()
+
+
+@needs_traces
+@pytest.mark.parametrize("trace", ["default", "nongpu40"])
+def test_the_gang_session_places_whole_gpu_and_cpu_only_pods_where_the_trace_policy_does(trace):
+    """`pffs scheduler`'s session scores with the trace policy's measure and whole points, and switches as
+    it does where CPU-only pods ask for much of the CPU (mix nongpu40): given the same pods, shapes and
+    node order, each pod goes to the same node. Sharing pods are left out: the session puts one on a node's
+    tightest GPU, the replay on its best-scoring one, so from the first that differs the states do."""
+    cluster = load_nodes(NODES_CSV)
+    base = load_pods(TRACES / "openb_pod_list_default.csv")
+    pods = base if trace == "default" else make_mix(trace, base, cluster)
+    order = replay_order(pods, cluster, 42)
+    kept = [i for i in order.pods.tolist() if not 0 < pods.share[i] < MILLI][:3000]
+    prefix = pods.take(np.array(kept))
+    state, rank = cluster.copy(), order.node_rank
+    policy = make_policy("pffs", state, prefix, GoRand(1))  # the session counts shapes over its own pods
+    assert isinstance(policy, CpuContestedPolicy if trace == "nongpu40" else PffsPolicy)
+    replayed = {}
+    for i in range(len(kept)):
+        pod = prefix.pod(i, state)
+        nodes = np.flatnonzero(state.feasible(pod, state.model_bits()))
+        if not len(nodes):  # no node could ever take it (too big for any): the session leaves it pending
+            continue
+        scores = policy.scores(state, pod, nodes)
+        best = nodes[scores == scores.max()]
+        node = int(best[rank[best].argmin()])
+        state.place(node, pod, policy.choose_gpus(state, pod, node))
+        policy.node_changed(state, node)
+        replayed[f"g{i:05}"] = node
+    names = ranked_names(rank)
+    groups = [session_group(prefix, i, f"g{i:05}", float(i)) for i in range(len(kept))]
+    session = run_session(session_nodes(cluster, names), [Queue("default")], groups, [])
+    placed = {p.pod.group: names.index(p.node) for p in session.placements}
+    assert len(replayed) > 0.99 * len(kept)
+    assert placed == replayed
 
 
 def test_alloc_at_averages_the_events_that_round_to_the_level():

@@ -8,12 +8,13 @@ its weight (``Weights``; 0 switches a plugin off), and takes the best node, ties
 
 - ``binpack``: how full the node is after the placement (GPU share for GPU pods, CPU and memory otherwise):
   fills used nodes first, so a group touches few nodes and whole nodes stay free for big pods.
-- ``fragmentation``: in the spirit of FGD (Weng et al., USENIX ATC '23), with the measure of pffs's trace
-  policy (``TypicalShapes.waste``, which beats FGD's on the openb traces, see bench/scheduler.py): the
-  change of the GPU milli the node would strand if filled with the session's typical pod shapes (GPU slots
-  and CPU both counted) plus ``NEXT_POD_WEIGHT`` times FGD's next-pod fragment, shapes weighted as the
-  trace policy's (``TypicalShapes.for_stranding``), squashed by a sigmoid; a tight-fitting sharing pod on a
-  partly used GPU scores above one that breaks an empty GPU.
+- ``fragmentation``: pffs's trace policy's score (``PffsPolicy``, which beats FGD on the openb traces, see
+  bench/scheduler.py), in the spirit of FGD (Weng et al., USENIX ATC '23): the drop of the GPU milli the
+  node would strand if filled with the session's typical pod shapes (GPU slots and CPU both counted) plus
+  ``NEXT_POD_WEIGHT`` times FGD's next-pod fragment (``TypicalShapes.waste``), shapes weighted as the trace
+  policy's (``TypicalShapes.for_stranding``), as whole points of a sigmoid (``score_points``) over 100, so
+  near-equal moves tie and go to the lowest node name. Where CPU-only pods ask for much of the CPU
+  (``CONTESTED_CPU``), a GPU pod is scored as the trace policy's ``ContestedGpuPolicy`` scores it.
 - ``topology``: a multi-GPU pod scores 1 where one NVLink group has its GPUs free, 0.5 where one NUMA
   domain has, 0 where they would span domains (the GPU set itself is chosen by ``choose_gpus``).
 - ``tor``: 1 under a ToR switch the group already uses; elsewhere up to 0.5, by how much of the rest of the
@@ -29,6 +30,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from pffs.scheduler.core.arrays import FloatArray, IntArray
+from pffs.scheduler.core.fragmentation import (
+    CONTESTED_TEMPERATURE,
+    POINTS,
+    TEMPERATURE,
+    contested_tie_break,
+    score_points,
+)
 from pffs.scheduler.core.objects import MILLI, Pod, PodGroup, is_sharing, uses_gpus
 
 if TYPE_CHECKING:
@@ -101,18 +109,29 @@ def fragmentation(state: ClusterState, pod: Pod, ctx: GroupContext, nodes: IntAr
     shapes = state.typical
     if shapes is None or len(nodes) == 0:
         return np.full(len(nodes), 0.5)
-    growth = waste_growth(state, shapes, pod)[nodes]
-    # Growth of the fragment by a whole GPU's worth costs about 0.27; a fragment filled gains as much.
-    delta = np.clip(growth / MILLI, -50.0, 50.0)
-    return np.asarray(1.0 / (1.0 + np.exp(delta)), dtype=np.float64)
+    drop = -waste_growth(state, shapes, pod)[nodes]
+    if contested_gpu_pod(state, pod):
+        gpu_left = state.gpu_free[nodes].sum(axis=1) - pod.gpu_count * pod.gpu_milli
+        tie = contested_tie_break(state.cpu_free[nodes] - pod.cpu_milli, gpu_left)
+        points = score_points(drop, CONTESTED_TEMPERATURE) + 0.5 * tie  # under a point: ties only
+    else:
+        points = score_points(drop, shapes.sharing_temperature() if is_sharing(pod) else TEMPERATURE)
+    return points / POINTS
+
+
+def contested_gpu_pod(state: ClusterState, pod: Pod) -> bool:
+    """``pod`` asks for GPUs where the CPU-only pods ask for much of the CPU (``ClusterState.cpu_contested``):
+    scored on FGD's next-pod fragment, as the trace policy's ``ContestedGpuPolicy`` scores it."""
+    return state.cpu_contested and uses_gpus(pod)
 
 
 def waste_growth(state: ClusterState, shapes: TypicalShapes, pod: Pod) -> FloatArray:
-    """Per node (all of them): how much placing ``pod`` there grows its waste (``TypicalShapes.waste``).
-    Cached per pod shape and recomputed only for the nodes that changed since; values of nodes where the pod
-    does not fit are meaningless (only feasible nodes are ever scored, and a node becomes feasible only by
-    changing)."""
-    key = ("waste", pod.cpu_milli, pod.gpu_count, pod.gpu_milli)
+    """Per node (all of them): how much placing ``pod`` there grows its waste (``TypicalShapes.waste``, or
+    ``next_pod`` for a ``contested_gpu_pod``). Cached per pod shape and recomputed only for the nodes that
+    changed since; values of nodes where the pod does not fit are meaningless (only feasible nodes are ever
+    scored, and a node becomes feasible only by changing)."""
+    measure = shapes.next_pod if contested_gpu_pod(state, pod) else shapes.waste
+    key = (measure.__name__, pod.cpu_milli, pod.gpu_count, pod.gpu_milli)
     cached = state.score_cache.get(key)
     if cached is None:
         values, stale = np.zeros(state.n_nodes), np.arange(state.n_nodes)
@@ -121,8 +140,8 @@ def waste_growth(state: ClusterState, shapes: TypicalShapes, pod: Pod) -> FloatA
         stale = np.flatnonzero(seen != state.version)
     if cached is None or len(stale):
         bits = state.model_bits[stale]
-        before = shapes.waste(state.cpu_free[stale], state.gpu_free[stale], bits)
-        after = shapes.waste(
+        before = measure(state.cpu_free[stale], state.gpu_free[stale], bits)
+        after = measure(
             state.cpu_free[stale] - pod.cpu_milli, gpu_rows_after(state, pod, stale, tightest=True), bits
         )
         values[stale] = after - before

@@ -47,7 +47,7 @@ import numpy as np
 
 from pffs.scheduler.core import scoring
 from pffs.scheduler.core.arrays import BoolArray, FloatArray
-from pffs.scheduler.core.fragmentation import ANY_MODEL, NodeCapacities, TypicalShapes
+from pffs.scheduler.core.fragmentation import ANY_MODEL, CONTESTED_CPU, NodeCapacities, TypicalShapes
 from pffs.scheduler.core.objects import (
     MILLI,
     RESOURCE_NAMES,
@@ -66,9 +66,14 @@ from pffs.scheduler.core.state import ClusterState
 
 @dataclass
 class Weights:
-    """Each plugin's weight; 0 switches it off."""
+    """Each plugin's weight; 0 switches it off.
 
-    binpack: float = 1.0
+    ``binpack`` is off by default: on the openb traces (bench/scheduler_session.py, seeds 42-51) it took
+    1.6-3.5 points of GPU allocation from the session, which with it off places like the trace policy
+    (``PffsPolicy``, ahead of FGD); on the gang bench (bench/scheduler_gangs.py) utilisation and gang waits
+    were the same without it."""
+
+    binpack: float = 0.0
     fragmentation: float = 1.0
     topology: float = 1.0
     tor: float = 1.0
@@ -192,7 +197,8 @@ class _Session:
     def _typical_shapes(self) -> TypicalShapes | None:
         """The session's pod shapes by frequency (FGD's 'typical pods', the rare ones few nodes can run, and
         the GPU models a shape is bound to), weighted for the stranded-GPU measure
-        (``TypicalShapes.for_stranding``) as the trace policy's are."""
+        (``TypicalShapes.for_stranding``) as the trace policy's are; and whether the CPU is contested, as
+        the trace policy decides it (``cpu_only_demand``)."""
         state = self.state
         counts = Counter(
             (
@@ -212,7 +218,9 @@ class _Session:
             return sum(state.model_bit.get(m, 0) for m in spec.split("|")) if spec else ANY_MODEL
 
         nodes = NodeCapacities(state.cpu_cap, state.gpu_count, state.model_bits)
-        return TypicalShapes.from_counts(counts, model_mask, nodes=nodes).for_stranding(nodes)
+        counted = TypicalShapes.from_counts(counts, model_mask, nodes=nodes)
+        state.cpu_contested = counted.cpu_only_demand(nodes) >= CONTESTED_CPU
+        return counted.for_stranding(nodes)
 
     # --- scoring and placing -------------------------------------------------------------------------
 

@@ -66,6 +66,7 @@ class ClusterState:
         self.usage: dict[str, Resources] = {}  # queue -> requests of its running and placed pods
         self.queue_of: dict[str, str] = {}  # group -> queue
         self.typical: TypicalShapes | None = None
+        self.cpu_contested = False  # CPU-only pods ask for much of the CPU (``CONTESTED_CPU``)
         self._static: dict[tuple[object, ...], BoolArray] = {}
         # Per node, the last change (a tick of ``assign``/``unassign``): scores cached per pod shape are
         # recomputed only for the nodes that changed since (one or two per placement).

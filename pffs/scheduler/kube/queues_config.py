@@ -8,7 +8,7 @@ queues:
     capability: {cpu: "128", memory: 512Gi, nvidia.com/gpu: 32} # the ceiling (absent: unlimited)
     overcommit: false            # true: admit past capability, such groups are evicted first
     reclaimable: true            # others may take back what it uses above guaranteed
-weights: {binpack: 1, fragmentation: 1, topology: 1, tor: 1, locality: 1}   # optional scoring weights
+weights: {binpack: 0, fragmentation: 1, topology: 1, tor: 1, locality: 1}   # optional; these are the defaults
 ```
 
 Amounts are Kubernetes quantities ("4", "500m", "16Gi", "1e3"); a number works too. A bare list of queues
@@ -86,7 +86,7 @@ class _QueueSpec(BaseModel):
 class _Weights(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    binpack: float = Field(default=1.0, ge=0)
+    binpack: float = Field(default=0.0, ge=0)  # off: see ``session.Weights``
     fragmentation: float = Field(default=1.0, ge=0)
     topology: float = Field(default=1.0, ge=0)
     tor: float = Field(default=1.0, ge=0)
