@@ -269,11 +269,17 @@ def test_sharing_pods_score_coarser_where_whole_gpu_shapes_weigh():
     weighted = TypicalShapes.from_pods(mixed, cluster, popularity=100).for_stranding()
     assert weighted.whole_gpu_fraction() == pytest.approx(4.125 / 6.125)
     policy = PffsPolicy(cluster, weighted)
-    assert policy.sharing_temperature == 2 * PffsPolicy.TEMPERATURE  # 3.5 x 0.67 is past the cap of 1
-    # One whole-GPU pod in ten (weights 1 against 9 x 2): 1 + 3.5 / 19 times the temperature.
+    assert policy.sharing_temperature == 3 * PffsPolicy.TEMPERATURE  # 3.5 x 0.67 is past the cap of 1
+    # One whole-GPU pod in ten (weights 1 against 9 x 2): 1 + 2 x 3.5 / 19 times the temperature.
     few_whole = pods_of((8000, 1, MILLI, 1, ""), *[(4000, 1, 500, 1, "")] * 9)
     few = TypicalShapes.from_pods(few_whole, cluster, popularity=100).for_stranding()
-    assert PffsPolicy(cluster, few).sharing_temperature == pytest.approx(4000 * (1 + 3.5 / 19))
+    assert PffsPolicy(cluster, few).sharing_temperature == pytest.approx(4000 * (1 + 2 * 3.5 / 19))
+    # Half the GPU shapes' weight bound to model A: half as much coarser (whole-GPU part still past the cap).
+    two_models = cluster_of((96000, 10**6, 8, "A"), (96000, 10**6, 8, "B"))
+    bound = pods_of(*[(8000, 1, MILLI, 1, "")] * 4, *[(8000, 1, MILLI, 1, "A")] * 4)
+    half = TypicalShapes.from_pods(bound, two_models, popularity=100)
+    assert half.unbound_fraction() == 0.5 and half.whole_gpu_fraction() == 1.0
+    assert half.sharing_temperature() == 2 * PffsPolicy.TEMPERATURE
     # Sharing pods only: nothing coarser than before.
     sharing_only = TypicalShapes.from_pods(pods_of((4000, 1, 500, 1, ""), (9000, 1, 0, 0, "")), cluster)
     assert sharing_only.for_stranding().whole_gpu_fraction() == 0.0

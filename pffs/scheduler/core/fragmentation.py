@@ -50,9 +50,12 @@ RARE_SHAPE_HOSTS = 0.1
 # measure on a sigmoid of this many milli, cut to whole points (``score_points``), so that near-equal moves
 # tie and the fixed node order packs them. 2000-8000 all beat FGD on default and gpushare100; 4000 was best.
 TEMPERATURE = 4000.0
-# A sharing pod's temperature is up to twice that, in step with the whole-GPU shapes' part of the weight
-# times this (``TypicalShapes.sharing_temperature``): 2.5, 3.5 and 4 were measured, 3.5 lost on no trace.
+# A sharing pod's temperature is up to 1 + SHARING_COARSEST times that, in step with the whole-GPU shapes'
+# part of the weight times SHARING_COARSENING and with the part that accepts any GPU model
+# (``TypicalShapes.sharing_temperature``): coarsening 2.5, 3.5 and 4 were measured, 3.5 lost on no trace;
+# at most 2 and 3 times, 3 (stop 27) lifted the multi-GPU mixes (seeds 42-51, see README).
 SHARING_COARSENING = 3.5
+SHARING_COARSEST = 2.0
 # From this part of the cluster's CPU asked for by CPU-only pods (``TypicalShapes.cpu_only_demand``), the
 # CPU is contested and GPU pods are placed on ``next_pod`` at FGD's temperature, ties to the node left with
 # the least CPU per free GPU (``contested_tie_break``). Every published trace is at 0.28 or less; on the
@@ -343,11 +346,24 @@ class TypicalShapes:
         return whole / gpu if gpu > 0 else 0.0
 
     def sharing_temperature(self) -> float:
-        """A sharing pod's temperature: coarser where whole-GPU shapes carry much of the weight (up to twice
-        ``TEMPERATURE``). There the whole-GPU term already tells a broken GPU from a whole one, and letting
-        the finer differences of the sharing terms tie packs sharing pods onto the nodes ranked first; on a
-        trace of sharing pods only it is ``TEMPERATURE`` (those terms are all the measure has)."""
-        return TEMPERATURE * (1.0 + min(SHARING_COARSENING * self.whole_gpu_fraction(), 1.0))
+        """A sharing pod's temperature: coarser where whole-GPU shapes carry much of the weight, up to
+        1 + ``SHARING_COARSEST`` times ``TEMPERATURE``. There the whole-GPU term already tells a broken GPU
+        from a whole one, and letting the finer differences of the sharing terms tie packs sharing pods onto
+        the nodes ranked first; on a trace of sharing pods only it is ``TEMPERATURE`` (those terms are all
+        the measure has). The coarsening shrinks with the part of the weight on shapes bound to GPU models
+        (``unbound_fraction``): there the sharing terms tell which model's GPUs a pod breaks. Measured (seeds
+        42-51): at most three times instead of twice, every multi-GPU mix gained (multigpu60 +0.15 -> +0.25
+        against FGD) and gpuspec75 lost at 130% arrived (+0.26 -> +0.19); scaled by the unbound part,
+        gpuspec75 +0.35, gpuspec60 +0.09 -> +0.23."""
+        coarser = min(SHARING_COARSENING * self.whole_gpu_fraction(), 1.0)
+        return TEMPERATURE * (1.0 + SHARING_COARSEST * coarser * self.unbound_fraction())
+
+    def unbound_fraction(self) -> float:
+        """The part of the GPU shapes' weight on shapes that accept any GPU model: 1 where no pod names a
+        model (every published openb trace), 0.40 on mix gpuspec60, 0.10 on gpuspec90."""
+        gpu = self.share > 0
+        total = float(self.prob[gpu].sum())
+        return float(self.prob[gpu & (self.model_mask == ANY_MODEL)].sum()) / total if total > 0 else 1.0
 
     def fragmentation(self, cpu_free: IntArray, gpu_free: IntArray, model_bits: IntArray) -> FloatArray:
         """F for each of M node states: ``cpu_free`` (M,), ``gpu_free`` (M, GPUs), ``model_bits`` (M,)."""
