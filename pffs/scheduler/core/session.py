@@ -69,7 +69,7 @@ class Weights:
     """Each plugin's weight; 0 switches it off.
 
     ``binpack`` is off by default: on the openb traces (bench/scheduler_session.py, seeds 42-51) it took
-    1.6-3.5 points of GPU allocation from the session, which with it off places like the trace policy
+    2.1-4.5 points of GPU allocation from the session, which with it off places like the trace policy
     (``PffsPolicy``, ahead of FGD); on the gang bench (bench/scheduler_gangs.py) utilisation and gang waits
     were the same without it."""
 
