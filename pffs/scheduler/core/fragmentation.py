@@ -73,12 +73,12 @@ def score_points(drop: FloatArray, temperature: float) -> FloatArray:
 
 
 def contested_tie_break(cpu_left: IntArray, gpu_milli_left: IntArray) -> FloatArray:
-    """Where the CPU is contested, a GPU pod's preference (0-1, highest first) among nodes that score alike:
-    the node it leaves with the least free CPU per free GPU. A node left without a free GPU counts half a
-    GPU, so its CPU left still sorts it; any falling function orders the ties alike, this one reads 0.25 at
-    12 cores a GPU."""
+    """Where the CPU is contested, the points (under one half, so it orders ties only) a GPU pod's score
+    gains on each node: the most where it leaves the least free CPU per free GPU. A node left without a
+    free GPU counts half a GPU, so its CPU left still sorts it; any falling function orders the ties alike,
+    this one reads 0.125 at 12 cores a GPU."""
     cpu_per_gpu = cpu_left / np.maximum(gpu_milli_left / float(MILLI), 0.5)
-    return np.asarray(1.0 / (1.0 + cpu_per_gpu / 12000.0), dtype=np.float64)
+    return np.asarray(0.5 / (1.0 + cpu_per_gpu / 12000.0), dtype=np.float64)
 
 
 class PodColumns(Protocol):

@@ -113,7 +113,7 @@ def fragmentation(state: ClusterState, pod: Pod, ctx: GroupContext, nodes: IntAr
     if contested_gpu_pod(state, pod):
         gpu_left = state.gpu_free[nodes].sum(axis=1) - pod.gpu_count * pod.gpu_milli
         tie = contested_tie_break(state.cpu_free[nodes] - pod.cpu_milli, gpu_left)
-        points = score_points(drop, CONTESTED_TEMPERATURE) + 0.5 * tie  # under a point: ties only
+        points = score_points(drop, CONTESTED_TEMPERATURE) + tie
     else:
         points = score_points(drop, shapes.sharing_temperature() if is_sharing(pod) else TEMPERATURE)
     return points / POINTS

@@ -331,8 +331,7 @@ class ContestedGpuPolicy(PffsPolicy):
     def scores(self, cluster: Cluster, pod: Pod, nodes: IntArray) -> np.ndarray:
         scores = super().scores(cluster, pod, nodes)
         gpu_left = cluster.gpu_free[nodes].sum(axis=1) - pod.gpu_milli
-        # under one point: it orders ties only
-        return scores + 0.5 * contested_tie_break(cluster.cpu_free[nodes] - pod.cpu, gpu_left)
+        return scores + contested_tie_break(cluster.cpu_free[nodes] - pod.cpu, gpu_left)
 
 
 class CpuContestedPolicy:
