@@ -279,7 +279,7 @@ def test_sharing_pods_score_coarser_where_whole_gpu_shapes_weigh():
     bound = pods_of(*[(8000, 1, MILLI, 1, "")] * 4, *[(8000, 1, MILLI, 1, "A")] * 4)
     half = TypicalShapes.from_pods(bound, two_models, popularity=100)
     assert half.unbound_fraction() == 0.5 and half.whole_gpu_fraction() == 1.0
-    assert half.sharing_temperature() == 2 * PffsPolicy.TEMPERATURE
+    assert half.sharing_temperature == 2 * PffsPolicy.TEMPERATURE
     # Sharing pods only: nothing coarser than before.
     sharing_only = TypicalShapes.from_pods(pods_of((4000, 1, 500, 1, ""), (9000, 1, 0, 0, "")), cluster)
     assert sharing_only.for_stranding().whole_gpu_fraction() == 0.0

@@ -345,9 +345,11 @@ class TypicalShapes:
         gpu = whole + float(self.prob[sharing].sum())
         return whole / gpu if gpu > 0 else 0.0
 
+    @cached_property
     def sharing_temperature(self) -> float:
-        """A sharing pod's temperature: coarser where whole-GPU shapes carry much of the weight, up to
-        1 + ``SHARING_COARSEST`` times ``TEMPERATURE``. There the whole-GPU term already tells a broken GPU
+        """A sharing pod's temperature (computed once: the session reads it for every sharing pod it
+        scores): coarser where whole-GPU shapes carry much of the weight, up to 1 + ``SHARING_COARSEST``
+        times ``TEMPERATURE``. There the whole-GPU term already tells a broken GPU
         from a whole one, and letting the finer differences of the sharing terms tie packs sharing pods onto
         the nodes ranked first; on a trace of sharing pods only it is ``TEMPERATURE`` (those terms are all
         the measure has). The coarsening shrinks with the part of the weight on shapes bound to GPU models

@@ -115,7 +115,7 @@ def fragmentation(state: ClusterState, pod: Pod, ctx: GroupContext, nodes: IntAr
         tie = contested_tie_break(state.cpu_free[nodes] - pod.cpu_milli, gpu_left)
         points = score_points(drop, CONTESTED_TEMPERATURE) + tie
     else:
-        points = score_points(drop, shapes.sharing_temperature() if is_sharing(pod) else TEMPERATURE)
+        points = score_points(drop, shapes.sharing_temperature if is_sharing(pod) else TEMPERATURE)
     return points / POINTS
 
 

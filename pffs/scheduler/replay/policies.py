@@ -295,7 +295,7 @@ class PffsPolicy(FgdPolicy):
 
     def __init__(self, cluster: Cluster, typical: TypicalShapes) -> None:
         super().__init__(cluster, typical)
-        self.sharing_temperature = typical.sharing_temperature()
+        self.sharing_temperature = typical.sharing_temperature
 
     def _measure(self, cpu_free: IntArray, gpu_free: IntArray, model_bits: IntArray) -> np.ndarray:
         return self.typical.waste(cpu_free, gpu_free, model_bits)
