@@ -14,6 +14,7 @@ The traces are research-use data: they are read in place (default ../shared/data
 
 from __future__ import annotations
 
+import functools
 import json
 import multiprocessing
 import statistics
@@ -33,6 +34,7 @@ from scheduler import NODE_FILE, load_trace, replay_parser, seeds_option  # noqa
 from pffs.scheduler.core.objects import Queue  # noqa: E402
 from pffs.scheduler.core.session import Weights, run_session  # noqa: E402
 from pffs.scheduler.replay.as_session import ranked_names, session_group, session_nodes  # noqa: E402
+from pffs.scheduler.replay.model import Cluster, PodList  # noqa: E402
 from pffs.scheduler.replay.simulate import replay  # noqa: E402
 from pffs.scheduler.replay.traces import DEFAULT_RATIO, load_nodes, replay_order  # noqa: E402
 
@@ -46,10 +48,16 @@ VARIANTS: dict[str, Weights | None] = {
 }
 
 
-def session_alloc(folder: str, name: str, seed: int, weights: Weights) -> tuple[float, float]:
-    """% of the GPU capacity the session places of the pods arrived by 100%, and its pods/s."""
+@functools.cache
+def cluster_and_trace(folder: str, name: str) -> tuple[Cluster, PodList]:
+    """The openb cluster and a trace or mix, loaded once per worker process."""
     cluster = load_nodes(Path(folder) / NODE_FILE)
-    trace = load_trace(Path(folder), name, cluster)
+    return cluster, load_trace(Path(folder), name, cluster)
+
+
+def session_alloc(folder: str, name: str, seed: int, weights: Weights) -> float:
+    """% of the GPU capacity the session places of the pods arrived by 100%."""
+    cluster, trace = cluster_and_trace(folder, name)
     order = replay_order(trace, cluster.copy(), seed, DEFAULT_RATIO)
     nodes = session_nodes(cluster, ranked_names(order.node_rank))
     groups, demand = [], 0
@@ -59,21 +67,18 @@ def session_alloc(folder: str, name: str, seed: int, weights: Weights) -> tuple[
             break
         demand += milli
         groups.append(session_group(trace, i, f"g{event:06d}", float(event)))
-    start = time.perf_counter()
     result = run_session(nodes, [Queue("default")], groups, [], weights)
-    seconds = time.perf_counter() - start
     placed = sum(p.pod.gpu_count * p.pod.gpu_milli for p in result.placements)
-    return 100.0 * placed / cluster.gpu_capacity_milli, len(groups) / seconds
+    return 100.0 * placed / cluster.gpu_capacity_milli
 
 
 def one(task: tuple[str, str, int, str]) -> tuple[tuple[str, str, int, str], float]:
     folder, name, seed, variant = task
     weights = VARIANTS[variant]
     if weights is None:
-        cluster = load_nodes(Path(folder) / NODE_FILE)
-        alloc = replay(cluster, load_trace(Path(folder), name, cluster), variant, seed).alloc_at(100)
+        alloc = replay(*cluster_and_trace(folder, name), variant, seed).alloc_at(100)
         return task, float(alloc if alloc is not None else "nan")
-    return task, session_alloc(folder, name, seed, weights)[0]
+    return task, session_alloc(folder, name, seed, weights)
 
 
 def plot(report: dict[str, dict[str, Any]], path: Path) -> None:
