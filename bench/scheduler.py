@@ -55,7 +55,8 @@ SPEED_FLOOR = 5000  # pods/s of pffs on the 1,213-node cluster (issue 16)
 # alone: the candidate (sharing weight 3) failed, and gpuspec45 showed the committed policy 0.45 points
 # behind FGD. The bound-shape weighting (``scarcity`` of shapes bound to GPU models) was made on it, and
 # round 5 was named before that ran on any of it, with the rule that adopted it. Rounds 6 (stop 24), 7 and 8
-# (stop 25), 9 (stop 26, named after round 8's nongpu38/45 had been seen) and 10 (stop 27) were each named
+# (stop 25), 9 (stop 26, named after round 8's nongpu38/45 had been seen), 10 (stop 27) and 11 (stop 28,
+# gpuspec-heavy: the one row short, gpuspec85, is bound to a GPU model for 85% of its GPU pods) were each named
 # before any policy ran on them, with one rule for the change tried after: adopt it only if its least
 # margin over FGD on the newest round (both loads) is 0.2 or more, or else higher than the committed
 # policy's, and on the earlier rounds no row turns negative and none falls below 0.2 that was at it. From
@@ -146,12 +147,23 @@ HELD_OUT_ROUNDS = (
         "gpuspec78",
         "nongpu47",
     ),
+    (
+        "multigpu38",
+        "multigpu67",
+        "gpushare43",
+        "gpushare87",
+        "gpuspec42",
+        "gpuspec73",
+        "gpuspec83",
+        "gpuspec88",
+        "nongpu28",
+    ),
 )
 HELD_OUT = tuple(mix for round_mixes in HELD_OUT_ROUNDS for mix in round_mixes)
 
 
 def held_out_round(name: str) -> int:
-    """The round (1-10) a held-out mix was made in, 0 for a published trace."""
+    """The round (1-11) a held-out mix was made in, 0 for a published trace."""
     return next((i for i, mixes in enumerate(HELD_OUT_ROUNDS, 1) if name in mixes), 0)
 
 
