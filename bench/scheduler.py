@@ -56,7 +56,7 @@ SPEED_FLOOR = 5000  # pods/s of pffs on the 1,213-node cluster (issue 16)
 # behind FGD. The bound-shape weighting (``scarcity`` of shapes bound to GPU models) was made on it, and
 # round 5 was named before that ran on any of it, with the rule that adopted it. Rounds 6 (stop 24), 7 and 8
 # (stop 25), 9 (stop 26, named after round 8's nongpu38/45 had been seen), 10 (stop 27) and 11 (stop 28,
-# gpuspec-heavy: the one row short, gpuspec85, is bound to a GPU model for 85% of its GPU pods) were each named
+# gpuspec-heavy: the one row short, gpuspec85, binds 85% of its GPU pods to a GPU model) were each named
 # before any policy ran on them, with one rule for the change tried after: adopt it only if its least
 # margin over FGD on the newest round (both loads) is 0.2 or more, or else higher than the committed
 # policy's, and on the earlier rounds no row turns negative and none falls below 0.2 that was at it. From

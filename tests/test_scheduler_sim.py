@@ -260,7 +260,7 @@ def test_the_shapes_a_node_accepts_weigh_one_on_the_average_gpus_node():
     assert plain.for_stranding(nodes).prob.tolist() == plain.for_stranding().prob.tolist()
 
 
-def test_sharing_pods_score_coarser_where_whole_gpu_shapes_weigh():
+def test_sharing_pods_score_coarser_where_whole_gpu_shapes_weigh_and_finer_where_pods_are_bound():
     cluster = cluster_of((96000, 10**6, 8, "A"))
     mixed = pods_of(
         *[(8000, 1, MILLI, 1, "")] * 4, (64000, 1, MILLI, 8, ""), (4000, 1, 500, 1, ""), (9000, 1, 0, 0, "")
@@ -274,12 +274,18 @@ def test_sharing_pods_score_coarser_where_whole_gpu_shapes_weigh():
     few_whole = pods_of((8000, 1, MILLI, 1, ""), *[(4000, 1, 500, 1, "")] * 9)
     few = TypicalShapes.from_pods(few_whole, cluster, popularity=100).for_stranding()
     assert PffsPolicy(cluster, few).sharing_temperature == pytest.approx(4000 * (1 + 2 * 3.5 / 19))
-    # Half the GPU shapes' weight bound to model A: half as much coarser (whole-GPU part still past the cap).
+    # Half the GPU shapes' weight bound to model A: half as much coarser (whole-GPU part still past the cap),
+    # and finer by 0.3 x the bound half: 2 x 0.85 times the temperature.
     two_models = cluster_of((96000, 10**6, 8, "A"), (96000, 10**6, 8, "B"))
     bound = pods_of(*[(8000, 1, MILLI, 1, "")] * 4, *[(8000, 1, MILLI, 1, "A")] * 4)
     half = TypicalShapes.from_pods(bound, two_models, popularity=100)
     assert half.unbound_fraction() == 0.5 and half.whole_gpu_fraction() == 1.0
-    assert half.sharing_temperature == 2 * PffsPolicy.TEMPERATURE
+    assert half.sharing_temperature == pytest.approx(2 * 0.85 * PffsPolicy.TEMPERATURE)
+    # Every GPU pod bound to a model: no coarsening, and finer than the plain temperature (0.7 times).
+    all_bound = pods_of(*[(8000, 1, MILLI, 1, "A")] * 4, *[(4000, 1, 500, 1, "B")] * 4)
+    fine = TypicalShapes.from_pods(all_bound, two_models, popularity=100)
+    assert fine.unbound_fraction() == 0.0
+    assert fine.sharing_temperature == pytest.approx(0.7 * PffsPolicy.TEMPERATURE)
     # Sharing pods only: nothing coarser than before.
     sharing_only = TypicalShapes.from_pods(pods_of((4000, 1, 500, 1, ""), (9000, 1, 0, 0, "")), cluster)
     assert sharing_only.for_stranding().whole_gpu_fraction() == 0.0

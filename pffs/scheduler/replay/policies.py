@@ -282,7 +282,8 @@ class PffsPolicy(FgdPolicy):
     cluster's ``capacities``). Its drop is
     scored on a coarser sigmoid than FGD's (``TEMPERATURE`` milli instead of 1000, ``score_points``), so
     near-equal moves tie and the seed's node order packs them onto the same nodes; a sharing pod's, coarser
-    still where whole-GPU pods carry much of the measure (``TypicalShapes.sharing_temperature``). The gang
+    still where whole-GPU pods carry much of the measure, and finer where pods are bound to GPU models
+    (``TypicalShapes.sharing_temperature``). The gang
     session scores with the same measure and points (``scoring.fragmentation``). The README's ablation
     gives each part's contribution.
 
