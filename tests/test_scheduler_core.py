@@ -461,14 +461,20 @@ def test_topology_prefers_the_node_with_a_whole_nvlink_group() -> None:
     assert set(placed(result, "two")[0].gpus) == {0, 1}
 
 
-def test_sharing_pod_takes_the_tightest_gpu() -> None:
+def test_sharing_pod_takes_the_gpu_its_score_was_taken_on() -> None:
     node = gpu_node("n0", gpus=4)
     busy = gang("busy", 2, gpus=1, milli=300)
     running = running_on(busy, ["n0", "n0"], [(1,), (2,)])
     grown = PodGroup("busy", "q", [*busy.pods, Pod("busy-x", "busy", 0, 0, 1, 400)], min_member=2)
     running += [Placement(grown.pods[-1], "n0", (2,))]  # GPU 2: 300 + 400 used, 300 free
-    result = run_session([node], [Queue("q")], [grown, gang("s", 1, gpus=1, milli=250)], running)
-    assert placed(result, "s")[0].gpus == (2,)  # not an empty GPU, not the 700-free one
+    groups = [grown, gang("s", 1, gpus=1, milli=250)]
+    # Free: 1000, 700, 300, 1000. The tightest GPU (2) would be left a 50-milli sliver that none of the
+    # 250-400-milli shapes fits; on the 700-free one 450 stay, room for any of them (the trace policy's
+    # choice: every fitting GPU scored, the best kept). Not an empty GPU either.
+    assert placed(run_session([node], [Queue("q")], groups, running), "s")[0].gpus == (1,)
+    # Without the fragmentation score: the first GPU that fits.
+    plain = run_session([node], [Queue("q")], groups, running, Weights(fragmentation=0))
+    assert placed(plain, "s")[0].gpus == (0,)
 
 
 def test_tor_packs_a_gang_under_one_switch() -> None:

@@ -347,17 +347,19 @@ def test_where_cpu_only_pods_ask_for_half_the_cpu_gpu_pods_tie_to_the_node_with_
 
 
 @needs_traces
-@pytest.mark.parametrize("trace", ["default", "nongpu40"])
-def test_the_gang_session_places_whole_gpu_and_cpu_only_pods_where_the_trace_policy_does(trace):
-    """`pffs scheduler`'s session scores with the trace policy's measure and whole points, and switches as
-    it does where CPU-only pods ask for much of the CPU (mix nongpu40): given the same pods, shapes and
-    node order, each pod goes to the same node. Sharing pods are left out: the session puts one on a node's
-    tightest GPU, the replay on its best-scoring one, so from the first that differs the states do."""
+@pytest.mark.parametrize("trace", ["default", "nongpu40", "gpuspec85"])
+def test_the_gang_session_places_every_pod_where_the_trace_policy_does(trace):
+    """`pffs scheduler`'s session scores with the trace policy's measure and whole points, a sharing pod on
+    every GPU it fits and on the best of them, and switches as the trace policy does where CPU-only pods ask
+    for much of the CPU (mix nongpu40): given the same pods, shapes and node order, each pod goes to the
+    same node and a sharing pod to a GPU with as much free (one that differed would change later states).
+    gpuspec85 binds most of its pods to GPU models, so its sharing pods score at the finer temperature."""
     cluster = load_nodes(NODES_CSV)
     base = load_pods(TRACES / "openb_pod_list_default.csv")
     pods = base if trace == "default" else make_mix(trace, base, cluster)
     order = replay_order(pods, cluster, 42)
-    kept = [i for i in order.pods.tolist() if not 0 < pods.share[i] < MILLI][:3000]
+    kept = order.pods.tolist()[:3000]
+    assert sum(0 < pods.share[i] < MILLI for i in kept) > 500  # sharing pods among them
     prefix = pods.take(np.array(kept))
     state, rank = cluster.copy(), order.node_rank
     policy = make_policy("pffs", state, prefix, GoRand(1))  # the session counts shapes over its own pods
@@ -380,6 +382,13 @@ def test_the_gang_session_places_whole_gpu_and_cpu_only_pods_where_the_trace_pol
     placed = {p.pod.group: names.index(p.node) for p in session.placements}
     assert len(replayed) > 0.99 * len(kept)
     assert placed == replayed
+    # Sharing pods on GPUs with as much free as the replay's: every node ends with the same free milli per
+    # GPU (sorted: whole-GPU pods may take other free slots of a node, by its NVLink groups).
+    session_free = np.where(np.arange(state.gpu_free.shape[1]) < cluster.gpu_count[:, None], MILLI, 0)
+    for p in session.placements:
+        for g in p.gpus:
+            session_free[names.index(p.node), g] -= p.pod.gpu_milli
+    assert (np.sort(session_free, axis=1) == np.sort(state.gpu_free, axis=1)).all()
 
 
 def test_alloc_at_averages_the_events_that_round_to_the_level():

@@ -24,6 +24,7 @@ its weight (``Weights``; 0 switches a plugin off), and takes the best node, ties
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -56,17 +57,19 @@ class GroupContext:
     locality: FloatArray  # (nodes,)
 
 
-def gpu_rows_after(state: ClusterState, pod: Pod, nodes: IntArray, tightest: bool) -> IntArray:
+def gpu_rows_after(
+    state: ClusterState, pod: Pod, nodes: IntArray, sharing_slots: IntArray | None = None
+) -> IntArray:
     """Each candidate node's free milli per GPU after the pod is placed there (the pod must fit).
 
-    A sharing pod takes the tightest-fitting GPU (``tightest``) or the first that fits; a whole-GPU pod
-    takes ``gpu_count`` fully free GPUs: which ones does not change the multiset of free amounts."""
+    A sharing pod takes the GPU of ``sharing_slots`` (one per node; ``best_sharing_gpus``) or else the first
+    that fits; a whole-GPU pod takes ``gpu_count`` fully free GPUs: which ones does not change the multiset
+    of free amounts."""
     rows = state.gpu_free[nodes].copy()
     if not uses_gpus(pod) or len(nodes) == 0:
         return rows
     if is_sharing(pod):
-        fits = rows >= pod.gpu_milli
-        pick = np.argmin(np.where(fits, rows, BIG), axis=1) if tightest else np.argmax(fits, axis=1)
+        pick = np.argmax(rows >= pod.gpu_milli, axis=1) if sharing_slots is None else sharing_slots
         rows[np.arange(len(nodes)), pick] -= pod.gpu_milli
     else:
         full = rows >= MILLI
@@ -109,14 +112,18 @@ def fragmentation(state: ClusterState, pod: Pod, ctx: GroupContext, nodes: IntAr
     shapes = state.typical
     if shapes is None or len(nodes) == 0:
         return np.full(len(nodes), 0.5)
-    drop = -waste_growth(state, shapes, pod)[nodes]
+    points = score_points(-waste_growth(state, shapes, pod)[nodes], temperature(state, shapes, pod))
     if contested_gpu_pod(state, pod):
         gpu_left = state.gpu_free[nodes].sum(axis=1) - pod.gpu_count * pod.gpu_milli
-        tie = contested_tie_break(state.cpu_free[nodes] - pod.cpu_milli, gpu_left)
-        points = score_points(drop, CONTESTED_TEMPERATURE) + tie
-    else:
-        points = score_points(drop, shapes.sharing_temperature if is_sharing(pod) else TEMPERATURE)
+        points = points + contested_tie_break(state.cpu_free[nodes] - pod.cpu_milli, gpu_left)
     return points / POINTS
+
+
+def temperature(state: ClusterState, shapes: TypicalShapes, pod: Pod) -> float:
+    """The sigmoid's temperature for ``pod``'s fragmentation score, as the trace policy's."""
+    if contested_gpu_pod(state, pod):
+        return CONTESTED_TEMPERATURE
+    return shapes.sharing_temperature if is_sharing(pod) else TEMPERATURE
 
 
 def contested_gpu_pod(state: ClusterState, pod: Pod) -> bool:
@@ -127,10 +134,11 @@ def contested_gpu_pod(state: ClusterState, pod: Pod) -> bool:
 
 def waste_growth(state: ClusterState, shapes: TypicalShapes, pod: Pod) -> FloatArray:
     """Per node (all of them): how much placing ``pod`` there grows its waste (``TypicalShapes.waste``, or
-    ``next_pod`` for a ``contested_gpu_pod``). Cached per pod shape and recomputed only for the nodes that
-    changed since; values of nodes where the pod does not fit are meaningless (only feasible nodes are ever
-    scored, and a node becomes feasible only by changing)."""
-    measure = shapes.next_pod if contested_gpu_pod(state, pod) else shapes.waste
+    ``next_pod`` for a ``contested_gpu_pod``); a sharing pod's, on the GPU where it grows least
+    (``sharing_growth``). Cached per pod shape and recomputed only for the nodes that changed since; values
+    of nodes where the pod does not fit are meaningless (only feasible nodes are ever scored, and a node
+    becomes feasible only by changing)."""
+    measure = _measure(state, shapes, pod)
     key = (measure.__name__, pod.cpu_milli, pod.gpu_count, pod.gpu_milli)
     cached = state.score_cache.get(key)
     if cached is None:
@@ -139,14 +147,58 @@ def waste_growth(state: ClusterState, shapes: TypicalShapes, pod: Pod) -> FloatA
         values, seen = cached
         stale = np.flatnonzero(seen != state.version)
     if cached is None or len(stale):
-        bits = state.model_bits[stale]
-        before = measure(state.cpu_free[stale], state.gpu_free[stale], bits)
-        after = measure(
-            state.cpu_free[stale] - pod.cpu_milli, gpu_rows_after(state, pod, stale, tightest=True), bits
-        )
-        values[stale] = after - before
+        if is_sharing(pod):
+            row, _, growth = sharing_growth(state, shapes, pod, stale)
+            least = np.full(len(stale), np.inf)
+            np.minimum.at(least, row, growth)
+            values[stale] = np.where(np.isfinite(least), least, 0.0)
+        else:
+            bits = state.model_bits[stale]
+            before = measure(state.cpu_free[stale], state.gpu_free[stale], bits)
+            after = measure(state.cpu_free[stale] - pod.cpu_milli, gpu_rows_after(state, pod, stale), bits)
+            values[stale] = after - before
         state.score_cache[key] = (values, state.version.copy())
     return values
+
+
+def sharing_growth(
+    state: ClusterState, shapes: TypicalShapes, pod: Pod, nodes: IntArray
+) -> tuple[IntArray, IntArray, FloatArray]:
+    """A sharing pod on each of ``nodes``, on each GPU it fits: (index into ``nodes``, GPU slot, growth of
+    the waste), the slots of a node in ascending order, one per distinct free amount. The trace policy
+    scores a sharing pod on every fitting GPU and keeps the best (``FgdPolicy``); so does the session
+    (``waste_growth``, and ``best_sharing_gpus`` for the GPU it takes)."""
+    measure = _measure(state, shapes, pod)
+    rows = state.gpu_free[nodes]
+    # GPUs of a node with equal free milli leave the node in equal states: only the first of each is
+    # measured (an empty node once, not once per GPU), which is also the one ``best_sharing_gpus`` takes.
+    width = rows.shape[1]
+    earlier = np.tril(np.ones((width, width), dtype=bool), k=-1)  # [g, h]: slot h comes before slot g
+    repeated = ((rows[:, :, None] == rows[:, None, :]) & earlier[None, :, :]).any(axis=2)
+    row, gpu = np.nonzero((rows >= pod.gpu_milli) & ~repeated)
+    after = rows[row].copy()
+    after[np.arange(len(row)), gpu] -= pod.gpu_milli
+    cpu, bits = state.cpu_free[nodes], state.model_bits[nodes]
+    measured = measure(
+        np.concatenate([cpu, cpu[row] - pod.cpu_milli]),
+        np.concatenate([rows, after]),
+        bits[np.concatenate([np.arange(len(nodes)), row])],
+    )
+    return row, gpu, measured[len(nodes) :] - measured[: len(nodes)][row]
+
+
+def best_sharing_gpus(state: ClusterState, shapes: TypicalShapes, pod: Pod, nodes: IntArray) -> IntArray:
+    """The GPU slot a sharing pod takes on each of ``nodes`` (it must fit): the first whose score is the
+    node's, as the trace policy's ``FgdPolicy.choose_gpus`` takes the first of the best-scoring GPUs."""
+    row, gpu, growth = sharing_growth(state, shapes, pod, nodes)
+    points = score_points(-growth, temperature(state, shapes, pod))
+    first_best = np.lexsort((gpu, -points, row))  # by node, best points first, then the lowest slot
+    starts = np.flatnonzero(np.r_[True, row[first_best][1:] != row[first_best][:-1]])
+    return np.asarray(gpu[first_best][starts], dtype=np.int64)
+
+
+def _measure(state: ClusterState, shapes: TypicalShapes, pod: Pod) -> Callable[..., FloatArray]:
+    return shapes.next_pod if contested_gpu_pod(state, pod) else shapes.waste
 
 
 def topology(state: ClusterState, pod: Pod, ctx: GroupContext, nodes: IntArray) -> FloatArray:

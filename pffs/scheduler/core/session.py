@@ -46,7 +46,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from pffs.scheduler.core import scoring
-from pffs.scheduler.core.arrays import BoolArray, FloatArray
+from pffs.scheduler.core.arrays import BoolArray, FloatArray, IntArray
 from pffs.scheduler.core.fragmentation import ANY_MODEL, CONTESTED_CPU, NodeCapacities, TypicalShapes
 from pffs.scheduler.core.objects import (
     MILLI,
@@ -92,16 +92,21 @@ def _usage_key(r: Resources) -> tuple[int, int, int]:
     return (r.cpu_milli, r.memory_mib, r.gpu_milli)
 
 
+def sharing_slots(state: ClusterState, pod: Pod, nodes: IntArray, weights: Weights) -> IntArray:
+    """The GPU a sharing pod takes on each of ``nodes``: the one its fragmentation score was taken on (the
+    trace policy's choice), or without that score the first that fits."""
+    if weights.fragmentation > 0 and state.typical is not None:
+        return scoring.best_sharing_gpus(state, state.typical, pod, nodes)
+    return np.asarray(np.argmax(state.gpu_free[nodes] >= pod.gpu_milli, axis=1), dtype=np.int64)
+
+
 def choose_gpus(state: ClusterState, node: int, pod: Pod, weights: Weights) -> tuple[int, ...]:
     """The GPU slots the pod takes on ``node`` (it must fit there)."""
     if not uses_gpus(pod):
         return ()
     free = state.gpu_free[node]
     if is_sharing(pod):
-        cand = np.flatnonzero(free >= pod.gpu_milli)
-        if weights.fragmentation > 0:  # tightest fit: a partly used GPU before an empty one
-            return (int(cand[np.argmin(free[cand])]),)
-        return (int(cand[0]),)
+        return (int(sharing_slots(state, pod, np.array([node]), weights)[0]),)
     full = np.flatnonzero(free >= MILLI)
     k = pod.gpu_count
     if weights.topology <= 0:
@@ -490,7 +495,8 @@ class _Session:
             cand = np.flatnonzero(state.fits(pod))
             if len(cand) == 0:
                 return allowed
-            rows = scoring.gpu_rows_after(state, pod, cand, tightest=self.weights.fragmentation > 0)
+            slots = sharing_slots(state, pod, cand, self.weights) if is_sharing(pod) else None
+            rows = scoring.gpu_rows_after(state, pod, cand, slots)
             for shape in shapes:
                 reach = state.static_mask(shape)[cand]
                 now = scoring.fit_counts(
