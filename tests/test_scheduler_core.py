@@ -477,6 +477,20 @@ def test_sharing_pod_takes_the_gpu_its_score_was_taken_on() -> None:
     assert placed(plain, "s")[0].gpus == (0,)
 
 
+def test_sharing_pod_among_equally_scored_gpus_keeps_nvlink_groups_whole() -> None:
+    node = gpu_node("n0", gpus=8)  # NVLink groups 0-3 and 4-7
+    halves = gang("halves", 2, gpus=1, milli=500)
+    whole = gang("whole", 1, gpus=1)
+    running = running_on(halves, ["n0", "n0"], [(1,), (5,)]) + running_on(whole, ["n0"], [(6,)])
+    groups = [halves, whole, gang("s", 1, gpus=1, milli=500)]
+    # GPUs 1 and 5 have 500 free each and score alike; the second group has fewer whole GPUs left (2
+    # against 3), so the pod goes there and leaves the first whole group of 3 for a multi-GPU pod.
+    assert placed(run_session([node], [Queue("q")], groups, running), "s")[0].gpus == (5,)
+    # Without the topology score: the lowest of the equally scored GPUs, as the trace policy takes.
+    plain = run_session([node], [Queue("q")], groups, running, Weights(topology=0))
+    assert placed(plain, "s")[0].gpus == (1,)
+
+
 def test_tor_packs_a_gang_under_one_switch() -> None:
     # 2 ToRs of 4 nodes; t0 has 3 busy nodes, t1 is empty: a 4-node gang goes to t1, not across both
     nodes = [gpu_node(f"a{i}", tor="t0") for i in range(4)] + [gpu_node(f"b{i}", tor="t1") for i in range(4)]

@@ -187,14 +187,26 @@ def sharing_growth(
     return row, gpu, measured[len(nodes) :] - measured[: len(nodes)][row]
 
 
-def best_sharing_gpus(state: ClusterState, shapes: TypicalShapes, pod: Pod, nodes: IntArray) -> IntArray:
-    """The GPU slot a sharing pod takes on each of ``nodes`` (it must fit): the first whose score is the
-    node's, as the trace policy's ``FgdPolicy.choose_gpus`` takes the first of the best-scoring GPUs."""
+def best_sharing_gpus(
+    state: ClusterState, shapes: TypicalShapes, pod: Pod, nodes: IntArray, prefer: IntArray | None = None
+) -> IntArray:
+    """The GPU slot a sharing pod takes on each of ``nodes`` (it must fit): one whose score is the node's,
+    as the trace policy's ``FgdPolicy.choose_gpus`` takes one of the best-scoring GPUs; among those the
+    least ``prefer`` (per node and slot; the session's: whole GPUs left in the slot's NVLink group), then
+    the lowest slot (the trace policy's choice)."""
     row, gpu, growth = sharing_growth(state, shapes, pod, nodes)
     points = score_points(-growth, temperature(state, shapes, pod))
-    first_best = np.lexsort((gpu, -points, row))  # by node, best points first, then the lowest slot
-    starts = np.flatnonzero(np.r_[True, row[first_best][1:] != row[first_best][:-1]])
-    return np.asarray(gpu[first_best][starts], dtype=np.int64)
+    best = np.full(len(nodes), -np.inf)
+    np.maximum.at(best, row, points)
+    rows = state.gpu_free[nodes]
+    winning = np.full(rows.shape, -1)  # the free milli of each best-scoring measured slot, else -1
+    won = points == best[row]
+    winning[row[won], gpu[won]] = rows[row[won], gpu[won]]
+    # Every slot with as much free as a measured winner scores as it does.
+    ties = ((winning[:, :, None] == rows[:, None, :]) & (winning[:, :, None] >= 0)).any(axis=1)
+    slots = np.arange(rows.shape[1])
+    key = (prefer if prefer is not None else 0) * rows.shape[1] + slots[None, :]
+    return np.asarray(np.argmin(np.where(ties, key, BIG), axis=1), dtype=np.int64)
 
 
 def _measure(state: ClusterState, shapes: TypicalShapes, pod: Pod) -> Callable[..., FloatArray]:

@@ -96,7 +96,12 @@ def sharing_slots(state: ClusterState, pod: Pod, nodes: IntArray, weights: Weigh
     """The GPU a sharing pod takes on each of ``nodes``: the one its fragmentation score was taken on (the
     trace policy's choice), or without that score the first that fits."""
     if weights.fragmentation > 0 and state.typical is not None:
-        return scoring.best_sharing_gpus(state, state.typical, pod, nodes)
+        prefer = None
+        if weights.topology > 0:  # among equally scored GPUs, one in the NVLink group with fewest whole
+            onehot = state.nvlink_onehot[nodes]
+            whole = np.einsum("mw,mwg->mg", (state.gpu_free[nodes] >= MILLI).astype(np.int64), onehot)
+            prefer = np.einsum("mg,mwg->mw", whole, onehot)
+        return scoring.best_sharing_gpus(state, state.typical, pod, nodes, prefer)
     return np.asarray(np.argmax(state.gpu_free[nodes] >= pod.gpu_milli, axis=1), dtype=np.int64)
 
 
