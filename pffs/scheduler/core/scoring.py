@@ -13,8 +13,10 @@ its weight (``Weights``; 0 switches a plugin off), and takes the best node, ties
   node would strand if filled with the session's typical pod shapes (GPU slots and CPU both counted) plus
   ``NEXT_POD_WEIGHT`` times FGD's next-pod fragment (``TypicalShapes.waste``), shapes weighted as the trace
   policy's (``TypicalShapes.for_stranding``), as whole points of a sigmoid (``score_points``) over 100, so
-  near-equal moves tie and go to the lowest node name. Where CPU-only pods ask for much of the CPU
-  (``CONTESTED_CPU``), a GPU pod is scored as the trace policy's ``ContestedGpuPolicy`` scores it.
+  near-equal moves tie and go to the lowest node name; a sharing pod's on the best of the GPUs it fits
+  (``sharing_growth``), which is the GPU it then takes (``best_sharing_gpus``). Where CPU-only pods ask
+  for much of the CPU (``CONTESTED_CPU``), a GPU pod is scored as the trace policy's ``ContestedGpuPolicy``
+  scores it.
 - ``topology``: a multi-GPU pod scores 1 where one NVLink group has its GPUs free, 0.5 where one NUMA
   domain has, 0 where they would span domains (the GPU set itself is chosen by ``choose_gpus``).
 - ``tor``: 1 under a ToR switch the group already uses; elsewhere up to 0.5, by how much of the rest of the
@@ -171,7 +173,7 @@ def sharing_growth(
     measure = _measure(state, shapes, pod)
     rows = state.gpu_free[nodes]
     # GPUs of a node with equal free milli leave the node in equal states: only the first of each is
-    # measured (an empty node once, not once per GPU), which is also the one ``best_sharing_gpus`` takes.
+    # measured (an empty node once, not once per GPU); ``best_sharing_gpus`` gives the others its score.
     width = rows.shape[1]
     earlier = np.tril(np.ones((width, width), dtype=bool), k=-1)  # [g, h]: slot h comes before slot g
     repeated = ((rows[:, :, None] == rows[:, None, :]) & earlier[None, :, :]).any(axis=2)
