@@ -215,11 +215,17 @@ def _measure(state: ClusterState, shapes: TypicalShapes, pod: Pod) -> Callable[.
     return shapes.next_pod if contested_gpu_pod(state, pod) else shapes.waste
 
 
+def whole_gpus_per_link(state: ClusterState, nodes: IntArray) -> IntArray:
+    """(nodes, NVLink groups): how many whole free GPUs each group of each node has."""
+    full = (state.gpu_free[nodes] >= MILLI).astype(np.int64)
+    return np.asarray(np.einsum("mw,mwg->mg", full, state.nvlink_onehot[nodes]), dtype=np.int64)
+
+
 def topology(state: ClusterState, pod: Pod, ctx: GroupContext, nodes: IntArray) -> FloatArray:
     if not uses_gpus(pod) or pod.gpu_count < 2:
         return np.ones(len(nodes))
     full = state.gpu_free[nodes] >= MILLI  # (M, W)
-    per_link = np.einsum("mw,mwg->mg", full.astype(np.int64), state.nvlink_onehot[nodes])
+    per_link = whole_gpus_per_link(state, nodes)
     per_numa = np.einsum("mw,mwg->mg", full.astype(np.int64), state.numa_onehot[nodes])
     one_link = per_link.max(axis=1, initial=0) >= pod.gpu_count
     one_numa = per_numa.max(axis=1, initial=0) >= pod.gpu_count

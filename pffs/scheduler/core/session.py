@@ -98,9 +98,8 @@ def sharing_slots(state: ClusterState, pod: Pod, nodes: IntArray, weights: Weigh
     if weights.fragmentation > 0 and state.typical is not None:
         prefer = None
         if weights.topology > 0:  # among equally scored GPUs, one in the NVLink group with fewest whole
-            onehot = state.nvlink_onehot[nodes]
-            whole = np.einsum("mw,mwg->mg", (state.gpu_free[nodes] >= MILLI).astype(np.int64), onehot)
-            prefer = np.einsum("mg,mwg->mw", whole, onehot)
+            whole = scoring.whole_gpus_per_link(state, nodes)
+            prefer = np.einsum("mg,mwg->mw", whole, state.nvlink_onehot[nodes])
         return scoring.best_sharing_gpus(state, state.typical, pod, nodes, prefer)
     return np.asarray(np.argmax(state.gpu_free[nodes] >= pod.gpu_milli, axis=1), dtype=np.int64)
 
