@@ -233,11 +233,10 @@ class Operations(pyfuse3.Operations):
     ) -> pyfuse3.EntryAttributes:
         parent = self.inodes.path(parent_inode)
         text = os.fsdecode(name)
-        if text == ".":
-            return self.attributes(self.inodes.remember(parent), await self._stat(parent))
-        if text == "..":
-            above = parent if parent_inode == ROOT_INODE else posixpath.dirname(parent)
-            return self.attributes(self.inodes.remember(above), await self._stat(above))
+        if text in (".", ".."):
+            path = parent if text == "." or parent_inode == ROOT_INODE else posixpath.dirname(parent)
+            found = await self._stat(path)
+            return self.attributes(self.inodes.remember(path, found), found)
         self._check_name(self.ns.join(parent, text))
         info = self.ns.lookup_now(parent, text)
         if info is UNKNOWN:
@@ -245,7 +244,8 @@ class Operations(pyfuse3.Operations):
         if info is None:
             return self._negative()
         assert isinstance(info, ObjectInfo)
-        return self.attributes(self.inodes.remember(self.ns.join(parent, text)), info)
+        # A version written by someone else gets a new number (see pffs.vfs.inodes).
+        return self.attributes(self.inodes.remember(self.ns.join(parent, text), info), info)
 
     @fuse_errors
     async def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
@@ -256,7 +256,12 @@ class Operations(pyfuse3.Operations):
     @fuse_errors
     async def getattr(self, inode: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
         try:
-            return self.attributes(inode, await self._stat(self.inodes.path(inode)))
+            info = await self._stat(self.inodes.path(inode))
+            if self.inodes.replaced(inode, info):
+                # The path holds another writer's version now, under a new number; this one is still
+                # the file its handles read (its size is theirs), until the kernel forgets it.
+                info = self.inodes.version(inode) or info
+            return self.attributes(inode, info)
         except FileNotFoundError:
             # Unlinked while open (fstat on the handle): the version the handle holds, with no links.
             held = self._held_by_handle(inode)
@@ -336,6 +341,7 @@ class Operations(pyfuse3.Operations):
             change["atime_ns"] = attr.st_atime_ns
         if change:
             await self._backend(self.ns.set_attributes, path, change, shown)
+            self.inodes.changed_here(path)
         return self.attributes(inode, await self._stat(path))
 
     async def _truncate(self, path: str, size: int, handle: FileHandle | None) -> None:
@@ -348,7 +354,12 @@ class Operations(pyfuse3.Operations):
             await self._backend(self.staging.upload, staged)
         finally:
             await self._backend(self.staging.release, staged)
+        self._changed_here(path)
+
+    def _changed_here(self, path: str) -> None:
+        """This mount stored a new version of `path`: forget what was known of it; its number stays."""
         self.ns.forget(path)
+        self.inodes.changed_here(path)
 
     def _open_staged(self, path: str, empty: bool) -> StagedFile:
         """The staged copy of path: emptied (O_TRUNC: the stored bytes go at the next upload, even if
@@ -420,10 +431,10 @@ class Operations(pyfuse3.Operations):
         for position in range(start_id, len(entries)):
             name, info = entries[position]
             child = self.ns.join(path, name)
-            attr = self.attributes(self.inodes.inode(child), info)
+            attr = self.attributes(self.inodes.inode(child, info), info)
             if not pyfuse3.readdir_reply(token, os.fsencode(name), attr, position + 1):
                 return
-            self.inodes.remember(child)  # readdirplus: an accepted entry counts as a lookup
+            self.inodes.remember(child, info)  # readdirplus: an accepted entry counts as a lookup
 
     @fuse_errors
     async def releasedir(self, fh: int) -> None:
@@ -437,7 +448,7 @@ class Operations(pyfuse3.Operations):
         path = self._child(parent_inode, name)
         made = await self._new_entry(parent_inode, stat.S_IFDIR | mode, ctx) if self.ns.posix else None
         info = await self._backend(self.ns.mkdir, path, made)
-        return self.attributes(self.inodes.remember(path), info)
+        return self.attributes(self.inodes.remember(path, info), info)
 
     @fuse_errors
     async def rmdir(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
@@ -489,7 +500,7 @@ class Operations(pyfuse3.Operations):
         path = self._child(parent_inode, name)
         made = await self._new_entry(parent_inode, stat.S_IFLNK | 0o777, ctx)
         info = await self._backend(self.ns.make_special, path, made, target)
-        return self.attributes(self.inodes.remember(path), info)
+        return self.attributes(self.inodes.remember(path, info), info)
 
     @fuse_errors
     async def readlink(self, inode: int, ctx: pyfuse3.RequestContext) -> bytes:
@@ -511,7 +522,7 @@ class Operations(pyfuse3.Operations):
         if rdev and (stat.S_ISCHR(mode) or stat.S_ISBLK(mode)):
             made = made.replace(rdev=rdev)
         info = await self._backend(self.ns.make_special, path, made, b"")
-        return self.attributes(self.inodes.remember(path), info)
+        return self.attributes(self.inodes.remember(path, info), info)
 
     # Files
 
@@ -521,6 +532,7 @@ class Operations(pyfuse3.Operations):
         fh = next(self._handles)
         if flags & os.O_ACCMODE != os.O_RDONLY:
             self._check_writable()
+            await self._check_current(inode, path)
             self._opened_version.pop(inode, None)
             if flags & os.O_TRUNC or self.staging.get(path) is not None:
                 staged = await self._backend(self._open_staged, path, bool(flags & os.O_TRUNC))
@@ -532,7 +544,7 @@ class Operations(pyfuse3.Operations):
         if self.staging.get(path) is not None:  # being written here: read what was written
             self.files[fh] = FileHandle(path, inode, staged=self.staging.open(path))
             return pyfuse3.FileInfo(fh=fh, keep_cache=False)
-        info = await self._stat(path)
+        info = await self._check_current(inode, path)
         self.files[fh] = FileHandle(path, inode, reader=self.vfs.open_version(info))
         if self.prefetcher is not None:
             self.prefetcher.opened(path, info)
@@ -540,6 +552,15 @@ class Operations(pyfuse3.Operations):
         keep = self._opened_version.get(inode) == info.identity
         self._opened_version[inode] = info.identity
         return pyfuse3.FileInfo(fh=fh, keep_cache=keep)
+
+    async def _check_current(self, inode: int, path: str) -> ObjectInfo:
+        """What `path` holds now, if `inode` still stands for it. If another writer replaced it, ESTALE:
+        the kernel then looks the name up again (getting the new version's number) and retries the open
+        once, so the open reads the new version and the old number's page cache stays the old one's."""
+        info = await self._stat(path)
+        if self.inodes.replaced(inode, info):
+            raise OSError(errno.ESTALE, f"{path} was replaced in the store; open it again")
+        return info
 
     @fuse_errors
     async def create(
@@ -558,9 +579,11 @@ class Operations(pyfuse3.Operations):
         self.ns.forget(path)
         self.ns.entries_changed(posixpath.dirname(path))
         fh = next(self._handles)
-        inode = self.inodes.remember(path)
+        self.inodes.detach(path)  # a new file, whatever the kernel knew there: a new number
+        info = self.ns.stat(path)
+        inode = self.inodes.remember(path, info)
         self.files[fh] = FileHandle(path, inode, staged=staged, writable=True)
-        return pyfuse3.FileInfo(fh=fh), self.attributes(inode, self.ns.stat(path))
+        return pyfuse3.FileInfo(fh=fh), self.attributes(inode, info)
 
     @fuse_errors
     async def read(self, fh: int, off: int, size: int) -> bytes:  # or any buffer: pyfuse3 takes views
@@ -599,7 +622,7 @@ class Operations(pyfuse3.Operations):
         handle = self.files.get(fh)
         if handle is not None and handle.writable and handle.staged is not None and handle.staged.dirty:
             await self._backend(self.staging.upload, handle.staged)
-            self.ns.forget(handle.staged.path)
+            self._changed_here(handle.staged.path)
 
     @fuse_errors
     async def fsync(self, fh: int, datasync: bool) -> None:
@@ -614,7 +637,7 @@ class Operations(pyfuse3.Operations):
             handle.reader.close()
         if handle.staged is not None:
             await self._backend(self.staging.release, handle.staged)
-            self.ns.forget(handle.staged.path)
+            self._changed_here(handle.staged.path)
 
     # The file system
 

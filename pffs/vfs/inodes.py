@@ -1,8 +1,17 @@
-"""Inode numbers for paths, with the kernel's lookup counts.
+"""Inode numbers for paths, with the kernel's lookup counts, and the version each number stands for.
 
 Object stores have no inodes: a path gets a number when the kernel first learns of it (lookup, create,
 mkdir, a readdirplus entry) and keeps it until the kernel forgets it, so a file keeps its number across
 stats while it is in use. Numbers are never reused in one mount.
+
+A number stands for one version of an object. When another writer replaces the object (a new ETag, version
+id or mtime), the path gets a new number, as a file replaced by rename(2) does on a local disk. The kernel
+keeps its page cache per inode: were the number kept, a handle opened on the old version would read pages
+that a newer handle filled with the new version's bytes, one file made of two versions. With a number per
+version, the old handles keep their inode, its page cache holds only the old bytes, and what they read that
+is not cached comes from their pinned version (or fails with ESTALE once it is gone from the store).
+Changes made through this mount (writes, truncates, chmod, renames) keep the number, as on a local disk:
+`changed_here` says the next version seen is this mount's own.
 """
 
 from __future__ import annotations
@@ -10,7 +19,27 @@ from __future__ import annotations
 import errno
 import threading
 
+from pffs.backends.backend import ObjectInfo
+from pffs.vfs.staging import STAGED_IDENTITY
+
 ROOT_INODE = 1
+
+
+def same_version(a: ObjectInfo, b: ObjectInfo) -> bool:
+    """True if `a` and `b` describe the same stored bytes. A LIST gives an S3 object's ETag, a HEAD of a
+    versioned bucket its version id: either matching is enough."""
+    if a.identity == b.identity:
+        return True
+    if a.is_dir or b.is_dir or a.size != b.size:
+        return False
+    if a.version_id and b.version_id:
+        return a.version_id == b.version_id
+    return bool(a.etag) and a.etag == b.etag
+
+
+def made_here(info: ObjectInfo) -> bool:
+    """A file being written through this mount (not a stored version yet)."""
+    return info.identity.startswith(STAGED_IDENTITY)
 
 
 class InodeTable:
@@ -19,6 +48,8 @@ class InodeTable:
         self._path_of: dict[int, str] = {ROOT_INODE: root_path}
         self._inode_of: dict[str, int] = {root_path: ROOT_INODE}
         self._lookups: dict[int, int] = {ROOT_INODE: 1}  # the root is never forgotten
+        # The version a number stands for; none yet (or this mount changed it): the next one seen.
+        self._version_of: dict[int, ObjectInfo] = {}
         self._next = ROOT_INODE + 1
 
     def path(self, inode: int) -> str:
@@ -27,26 +58,49 @@ class InodeTable:
         except KeyError:
             raise OSError(errno.ESTALE, f"inode {inode} is no longer known") from None
 
-    def inode(self, path: str) -> int:
-        """The number of `path`, made now if it has none; does not count a lookup."""
-        with self._lock:
-            return self._number(path)
+    def version(self, inode: int) -> ObjectInfo | None:
+        """The version `inode` stands for, if one is known."""
+        return self._version_of.get(inode)
 
-    def remember(self, path: str) -> int:
-        """The number of `path`, with one more kernel lookup counted against it."""
+    def replaced(self, inode: int, info: ObjectInfo) -> bool:
+        """True if `info` (what the path shows now) is another writer's replacement of the version
+        `inode` stands for: the path has a new number for it, or gets one at its next lookup."""
+        bound = self._version_of.get(inode)
+        return bound is not None and _replaces(bound, info)
+
+    def inode(self, path: str, info: ObjectInfo | None = None) -> int:
+        """The number of `path` as `info` shows it, made now if it has none; does not count a lookup."""
         with self._lock:
-            inode = self._number(path)
+            return self._number(path, info)
+
+    def remember(self, path: str, info: ObjectInfo | None = None) -> int:
+        """The number of `path` as `info` shows it, with one more kernel lookup counted against it."""
+        with self._lock:
+            inode = self._number(path, info)
             self._lookups[inode] = self._lookups.get(inode, 0) + 1
             return inode
 
-    def _number(self, path: str) -> int:
+    def _number(self, path: str, info: ObjectInfo | None) -> int:
         inode = self._inode_of.get(path)
+        if inode is not None and info is not None and self.replaced(inode, info):
+            self._detach(path)  # the old number lives on for its handles until the kernel forgets it
+            inode = None
         if inode is None:
             inode = self._next
             self._next += 1
             self._inode_of[path] = inode
             self._path_of[inode] = path
+        if info is not None:
+            self._version_of[inode] = info
         return inode
+
+    def changed_here(self, path: str) -> None:
+        """This mount changed `path` (an upload, truncate, chmod, rename): its number stays, and stands
+        for the next version seen."""
+        with self._lock:
+            inode = self._inode_of.get(path)
+            if inode is not None:
+                self._version_of.pop(inode, None)
 
     def forget(self, inode: int, count: int) -> None:
         if inode == ROOT_INODE:
@@ -57,6 +111,7 @@ class InodeTable:
                 self._lookups[inode] = left
                 return
             self._lookups.pop(inode, None)
+            self._version_of.pop(inode, None)
             path = self._path_of.pop(inode, None)
             if path is not None and self._inode_of.get(path) == inode:
                 del self._inode_of[path]
@@ -65,22 +120,34 @@ class InodeTable:
         """The path is gone (unlink, rmdir): a new file there gets a new number; the old one lives on
         (for open handles and the kernel's counts) until forgotten."""
         with self._lock:
-            inode = self._inode_of.pop(path, None)
-            if inode is not None and inode not in self._lookups:
-                self._path_of.pop(inode, None)
+            self._detach(path)
+
+    def _detach(self, path: str) -> None:
+        inode = self._inode_of.pop(path, None)
+        if inode is not None and inode not in self._lookups:
+            self._path_of.pop(inode, None)
+            self._version_of.pop(inode, None)
 
     def rename(self, old: str, new: str) -> None:
-        """Moves `old` and everything known under it to `new`; what was at `new` is detached."""
+        """Moves `old` and everything known under it to `new`; what was at `new` is detached. The moved
+        numbers stand for the next version seen at their new paths (the store copied them)."""
         with self._lock:
-            replaced = self._inode_of.pop(new, None)
-            if replaced is not None and replaced not in self._lookups:
-                self._path_of.pop(replaced, None)
+            self._detach(new)
             prefix = old.rstrip("/") + "/"
             for path in [p for p in self._inode_of if p == old or p.startswith(prefix)]:
                 inode = self._inode_of.pop(path)
                 moved = new + path[len(old) :]
                 self._inode_of[moved] = inode
                 self._path_of[inode] = moved
+                self._version_of.pop(inode, None)
 
     def __len__(self) -> int:
         return len(self._path_of)
+
+
+def _replaces(bound: ObjectInfo, seen: ObjectInfo) -> bool:
+    if made_here(bound) or made_here(seen):
+        return False  # this mount's own writing: the same file, as on a local disk
+    if bound.is_dir or seen.is_dir:
+        return bound.is_dir != seen.is_dir
+    return not same_version(bound, seen)

@@ -22,7 +22,7 @@ import time
 from pffs.backends.backend import ObjectInfo
 from pffs.backends.errors import ObjectChangedError
 from pffs.backends.posix_metadata import PosixAttributes
-from pffs.vfs.staging import StagedFile, Staging
+from pffs.vfs.staging import STAGED_IDENTITY, StagedFile, Staging
 from pffs.vfs.vfs import Vfs
 
 LIST_AFTER_HEADS = 8  # lookups that missed the listing cache in one directory before it is listed
@@ -45,7 +45,7 @@ def staged_info(staged: StagedFile) -> ObjectInfo:
         path=staged.path,
         size=staged.size(),
         is_dir=False,
-        identity=f"staged:{staged.data_path.name}",
+        identity=f"{STAGED_IDENTITY}{staged.data_path.name}",
         mtime=mtime_ns / 1e9,
         posix=staged.stored_attributes(),
     )

@@ -23,6 +23,9 @@ from pffs.processes import is_alive
 
 log = logging.getLogger(__name__)
 
+# How a file being written here is identified (ObjectInfo.identity) until it is uploaded.
+STAGED_IDENTITY = "staged:"
+
 
 class StagedFile:
     """The local copy of one file being written. Shared by every handle open on the path."""
