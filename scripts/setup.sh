@@ -5,6 +5,9 @@
 # can backtrack for many minutes over aiobotocore). Re-runs skip the pip step unless either file changed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# One setup at a time per checkout: a second one waits, then finds everything in place.
+exec 9>.setup.lock
+flock 9
 
 APT_PACKAGES=(fuse3 libfuse3-dev pkg-config gcc python3-dev python3-venv fio s3fs rsync containerd runc busybox-static
     openjdk-17-jdk-headless maven)
