@@ -17,9 +17,11 @@ import re
 import signal
 import time
 
-from pffs.processes import is_alive
+from pffs.processes import is_alive, is_mount_process
 
 log = logging.getLogger(__name__)
+
+__all__ = ["is_mount_process"]  # the plugin's modules import it from here
 
 MS_RDONLY = 1
 MS_REMOUNT = 32
@@ -89,17 +91,6 @@ def _unescape(field: str) -> str:
 
 def is_mounted(path: str) -> bool:
     return path in mounted_paths()
-
-
-def is_mount_process(pid: int | None) -> bool:
-    """True if `pid` runs and is a pffs mount process (not another process that got the number since)."""
-    if not pid or not is_alive(pid):
-        return False
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return b"pffs.cli.mount_daemon" in f.read()
-    except OSError:
-        return False
 
 
 def stop_mount_process(pid: int | None, path: str, timeout_s: float) -> None:

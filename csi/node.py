@@ -166,8 +166,9 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
     def _inspect(self, staged: Staged, path: str) -> tuple[Problem | None, os.statvfs_result | None]:
         """Whether the volume at `path` serves, without letting a hung mount hold the call."""
         if not is_mount_process(staged.pid):
+            ended = self.volumes.how_it_ended(staged)
             return Problem(
-                "MountProcessGone", "the pffs mount process is gone; it is being mounted again"
+                "MountProcessGone", f"the pffs mount process is gone ({ended}); it is being mounted again"
             ), None
         if path not in mounted_paths():
             return Problem("NotMounted", f"nothing is mounted at {path}; it is being bound again"), None

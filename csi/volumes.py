@@ -40,6 +40,8 @@ from pffs.csi.mounts import (
 )
 from pffs.csi.rpc import Abort, Code, KeyedLocks, with_deadline
 from pffs.csi.state import NodeState, Staged, Target, path_key
+from pffs.fuse import mount_record
+from pffs.fuse.ending import describe_exit_code
 from pffs.fuse.launch import MountStartError, start_mount_process
 from pffs.vfs import shared_block_cache
 
@@ -248,12 +250,24 @@ class VolumeManager:
     def is_alive(self, staged: Staged) -> bool:
         return is_mount_process(staged.pid) and staged.staging_path in mounted_paths()
 
+    def log_file(self, staging_path: str) -> Path:
+        return self.config.state_dir / "logs" / f"mount-{path_key(staging_path)}.log"
+
+    def how_it_ended(self, staged: Staged) -> str:
+        """How the mount process of `staged` ended, from the record next to its log (mount_record)."""
+        log_file = self.log_file(staged.staging_path)
+        cause = mount_record.last_cause(mount_record.record_path_for_log(log_file))
+        return f"{cause or 'no last word recorded'}; its log: {log_file}"
+
     def check(self) -> None:
         """One round of the supervisor: reap finished children, repair dead mounts, re-bind targets that
         lost their bind."""
         for pid, child in list(self._children.items()):
-            if child.poll() is not None:
+            code = child.poll()
+            if code is not None:
                 del self._children[pid]
+                if code != 0:
+                    log.warning("mount supervisor %d exited %d: %s", pid, code, describe_exit_code(code))
         with self.state.lock:
             volumes = list(self.state.records.staged.values())
         for staged in volumes:
@@ -292,10 +306,11 @@ class VolumeManager:
         """Mounts a dead volume again at its staging path and binds every target again. The pods' bind
         mounts pointed at the dead mount; with HostToContainer propagation they see the new ones."""
         log.warning(
-            "the mount of %s at %s is dead (pid %s); mounting it again",
+            "the mount of %s at %s is dead (pid %s: %s); mounting it again",
             staged.attributes.get("source"),
             staged.staging_path,
             staged.pid,
+            self.how_it_ended(staged),
         )
         try:
             self._mount_again(staged)
@@ -347,7 +362,7 @@ class VolumeManager:
             Path(staged.staging_path),
             self.cache_settings_for(staged.staging_path, attributes),
             staged.read_only,
-            self.config.state_dir / "logs" / f"mount-{path_key(staged.staging_path)}.log",
+            self.log_file(staged.staging_path),
             self.config.mount_verbosity,
         )
         if staged.metrics_port is not None:

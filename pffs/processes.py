@@ -20,3 +20,36 @@ def is_alive(pid: object) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+# What a mount's processes show in `ps` (pffs.cli.mount_daemon sets them; never a credential)
+MOUNT_TITLE = "pffs mount"  # the serving process: "pffs mount SOURCE MOUNTPOINT"
+SUPERVISOR_TITLE = "pffs mount-supervisor"  # its parent, which reports how it ended
+
+
+def process_title(kind: str, source: str, mountpoint: object) -> str:
+    return f"{kind} {public_url(source)} {mountpoint}"
+
+
+def public_url(url: str) -> str:
+    """The URL without a user:password@ in it, for titles and log lines."""
+    scheme, found, rest = url.partition("://")
+    if not found:
+        return url
+    authority, slash, path = rest.partition("/")
+    return f"{scheme}://{authority.rpartition('@')[2]}{slash}{path}"
+
+
+def is_mount_process(pid: object, supervisor_too: bool = False) -> bool:
+    """True if `pid` runs and is a pffs mount's serving process (or, if asked, its supervisor); not another
+    process that got the number since."""
+    if not is_alive(pid):
+        return False
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmdline = f.read()
+    except OSError:
+        return False
+    titles = [MOUNT_TITLE + " "] + ([SUPERVISOR_TITLE + " "] if supervisor_too else [])
+    # b"pffs.cli.mount_daemon": a mount started by a pffs that set no title (before an upgrade)
+    return any(cmdline.startswith(t.encode()) for t in titles) or b"pffs.cli.mount_daemon" in cmdline

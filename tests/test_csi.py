@@ -32,7 +32,7 @@ from helpers import FakeHttpServer, JsonHandler, sha256
 from mounts import drop_page_cache
 
 from pffs.csi import csi_pb2
-from pffs.processes import is_alive
+from pffs.processes import is_alive, is_mount_process
 from pffs.scheduler.kube.locality import CACHE_ANNOTATION, node_cache
 from pffs.testing.csi_plugin import CsiPlugin, holds_files_under, processes_with_files_under, wait_gone
 from pffs.testing.kubeconfig import token_kubeconfig
@@ -303,11 +303,7 @@ def mount_processes(plugin: Plugin) -> set[int]:
     for p in os.listdir("/proc"):
         if not p.isdigit():
             continue
-        try:
-            cmdline = Path(f"/proc/{p}/cmdline").read_bytes()
-        except OSError:
-            continue
-        if b"pffs.cli.mount_daemon" in cmdline and is_alive(int(p)) and holds_files_under(int(p), logs):
+        if is_mount_process(int(p)) and holds_files_under(int(p), logs):
             found.add(int(p))
     return found
 

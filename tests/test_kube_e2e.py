@@ -226,7 +226,9 @@ def assert_nothing_mounted_or_running(world: World) -> None:
     poll("the plugin unstages everything", lambda: not staged_volumes(world), timeout_s=60, logs=world.logs)
     mounts = Path("/proc/self/mountinfo").read_text()
     assert "fuse.pffs" not in mounts, [line for line in mounts.splitlines() if "fuse.pffs" in line]
-    leftover = subprocess.run(["pgrep", "-f", "pffs.cli.mount_daemon"], capture_output=True, text=True).stdout
+    leftover = subprocess.run(
+        ["pgrep", "-f", "^pffs mount|pffs.cli.mount_daemon"], capture_output=True, text=True
+    ).stdout
     assert not leftover.strip(), f"mount processes still running: {leftover}"
 
 

@@ -9,7 +9,6 @@ nothing about the mount (and never a credential) appears in its argv.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import os
 import signal
 import sys
@@ -23,6 +22,9 @@ from pffs.backends.errors import BadOptionError
 from pffs.cli.context import backend_options, cache_settings
 from pffs.cli.errors import EXIT_FAILURE, EXIT_OK, UsageError
 from pffs.config import settings_error
+from pffs.fuse import mount_record
+from pffs.fuse.ending import exit_code_table
+from pffs.fuse.mount_record import default_log_file
 from pffs.fuse.options import MountOptions
 from pffs.processes import is_alive
 
@@ -33,6 +35,13 @@ once the mount is ready; the mount keeps serving in the background until `pffs u
 SIGTERM to its process). Reads go through the shared block cache; files written are staged on local disk
 and uploaded when closed or fsync'ed (close reports a failed upload; the data is kept for a retry).
 """
+MOUNT_ENDINGS = f"""\
+how a mount ends: its last log line says how and what to do; its process (`pffs mount --foreground`, or the
+background mount's supervisor) exits with:
+{exit_code_table()}
+A mount that failed (abort, crash, kill) is left in place, dead (ENOTCONN): `pffs umount MOUNTPOINT`
+detaches it. A mount killed with its supervisor is reported by the next `pffs mount` there.
+"""
 
 
 def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
@@ -42,7 +51,8 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
         help="mount a backend URL as a local folder",
         description=MOUNT_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="example:\n  pffs mount s3://datasets/imagenet /mnt/imagenet --endpoint-url http://10.0.0.5:8333",
+        epilog="example:\n  pffs mount s3://datasets/imagenet /mnt/imagenet --endpoint-url http://10.0.0.5:8333\n\n"
+        + MOUNT_ENDINGS,
     )
     p.add_argument("source", metavar="SOURCE")
     p.add_argument("mountpoint", metavar="MOUNTPOINT")
@@ -119,8 +129,7 @@ def mount_options(args: argparse.Namespace) -> MountOptions:
     settings = cache_settings(args, **overrides)
     log_file = args.log_file
     if log_file is None and not args.foreground:
-        name = hashlib.blake2b(str(mountpoint).encode(), digest_size=4).hexdigest()
-        log_file = settings.cache_dir / "logs" / f"mount-{mountpoint.name or 'root'}-{name}.log"
+        log_file = default_log_file(settings.cache_dir, mountpoint)
     try:
         return MountOptions(
             source=args.source,
@@ -174,6 +183,10 @@ def mount(args: argparse.Namespace) -> int:
     options = mount_options(args)
     if not os.path.exists("/dev/fuse"):
         raise OSError(19, "/dev/fuse is missing: this machine cannot mount FUSE file systems")
+    record = mount_record.record_path(options.log_file, options.cache.cache_dir, options.mountpoint)
+    previous = mount_record.ended_without_a_word(record)
+    if previous:  # the new mount's log says it too
+        print(f"pffs: {previous}", file=sys.stderr)
     prepare_mountpoint(options.mountpoint)
     if args.foreground:
         from pffs.fuse.mount import serve

@@ -2,8 +2,8 @@
 
 The options travel as JSON on the child's stdin, credentials included: never in its argv or environment,
 where `ps` and /proc/*/environ would show them. The child runs in its own session, so the process that
-started it may exit or restart without taking the mount down. It answers one line on stdout: "ok" once
-mounted, or the reason it could not mount.
+started it may exit or restart without taking the mount down. It answers one line on stdout: "ok PID" once
+mounted (PID: the serving process; the one started is its supervisor), or the reason it could not mount.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ class MountStartError(Exception):
 
 @dataclass(frozen=True)
 class MountProcess:
-    pid: int
-    popen: subprocess.Popen[bytes]
+    pid: int  # the serving process (`pffs umount` and the CSI plugin signal it)
+    popen: subprocess.Popen[bytes]  # its supervisor, which exits with its status (pffs.fuse.ending)
 
 
 def options_with_credentials(options: MountOptions) -> bytes:
@@ -69,8 +69,9 @@ def start_mount_process(
     readable, _, _ = select.select([child.stdout], [], [], ready_timeout_s)
     answer = child.stdout.readline().decode(errors="replace").strip() if readable else ""
     child.stdout.close()
-    if answer == "ok":
-        return MountProcess(child.pid, child)
+    if answer.split()[:1] == ["ok"]:  # "ok PID": the serving process (its parent, `child`, supervises it)
+        words = answer.split()
+        return MountProcess(int(words[1]) if len(words) > 1 else child.pid, child)
     if not answer:
         child.kill()
         answer = f"the mount process did not answer within {ready_timeout_s:.0f} s (see {options.log_file})"

@@ -2,7 +2,9 @@
 unmounted or signalled, upload what is pending, unmount, close.
 
 `serve` runs in the foreground (`pffs mount --foreground`) or in the background process that `pffs mount`
-starts (pffs.fuse.daemon); `ready` tells the caller the mount is up, or why it could not be.
+starts (pffs.cli.mount_daemon); `ready` tells the caller the mount is up, or why it could not be. However
+the mount ends, its last log line says how, and the exit status says it too (pffs.fuse.ending); a mount
+that failed is left in place, dead, rather than unmounted.
 """
 
 from __future__ import annotations
@@ -13,16 +15,30 @@ import faulthandler
 import logging
 import os
 import signal
+import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import TextIO
 
 import pyfuse3
 import trio
 
 from pffs.backends.urls import open_backend
+from pffs.fuse import mount_record
+from pffs.fuse.ending import (
+    DEAD_MOUNT_ADVICE,
+    EXIT_CONNECTION_ABORTED,
+    EXIT_INTERNAL_ERROR,
+    EXIT_UNMOUNTED,
+    EXIT_UNMOUNTED_OUTSIDE,
+    EXIT_UPLOADS_FAILED,
+    Ending,
+)
 from pffs.fuse.metrics import start_metrics_server
+from pffs.fuse.mountpoint import is_listed_mount
 from pffs.fuse.operations import Operations
 from pffs.fuse.options import MountOptions
+from pffs.processes import public_url
 from pffs.vfs import Vfs
 from pffs.vfs.namespace import Namespace
 from pffs.vfs.staging import Staging
@@ -32,11 +48,44 @@ log = logging.getLogger(__name__)
 READ_AHEAD_KB = 1024
 
 
-def serve(options: MountOptions, ready: Callable[[], None]) -> int:
-    """Mounts and serves until unmounted (exit 0) or until SIGTERM/SIGINT (unmounts, exit 0). Raises
-    before `ready` if the mount cannot be made (bad source, credentials, mountpoint)."""
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
+def serve(options: MountOptions, ready: Callable[[], None], supervisor: int | None = None) -> int:
+    """Mounts and serves until unmounted, then returns the exit status of the way it ended (ending.py) after
+    logging it as its last line. Raises before `ready` if the mount cannot be made (bad source,
+    credentials, mountpoint). `supervisor`: the pid of the process that waits for this one (mount_daemon)."""
+    enable_faulthandler()
     keep_freed_memory()
+    record = mount_record.record_path(options.log_file, options.cache.cache_dir, options.mountpoint)
+    previous = mount_record.ended_without_a_word(record)
+    if previous:
+        log.warning("%s", previous)
+    answered = False
+
+    def answer() -> None:
+        nonlocal answered
+        ready()
+        answered = True
+
+    try:
+        ending = _mount_and_serve(options, answer, record, supervisor)
+    except Exception as exc:
+        if not answered:
+            raise  # could not mount: the caller says why
+        log.critical("the mount failed while unmounting", exc_info=True)
+        ending = serving_failed(exc, options.mountpoint)
+    source = public_url(options.source)
+    line = ending.last_line(source, options.mountpoint, os.getpid())
+    level = {EXIT_UNMOUNTED: logging.INFO, EXIT_UNMOUNTED_OUTSIDE: logging.WARNING}.get(
+        ending.code, logging.ERROR
+    )
+    log.log(level, "%s", line)
+    mount_record.ended(record, ending.code, ending.cause)
+    return ending.code
+
+
+def _mount_and_serve(
+    options: MountOptions, ready: Callable[[], None], record: Path, supervisor: int | None
+) -> Ending:
+    leave_dead = False  # a mount that fails stays in place, dead: ENOTCONN, not an empty folder
     with contextlib.ExitStack() as stack:
         backend, root = open_backend(options.source, options.backend)
         # The kernel keeps what the mount serves in its page cache: the disk tier is read around it.
@@ -58,34 +107,94 @@ def serve(options: MountOptions, ready: Callable[[], None]) -> int:
         stack.callback(operations.close)
 
         pyfuse3.init(operations, str(options.mountpoint), fuse_options(options, posix))
-        stack.callback(pyfuse3.close, unmount=True)
+        stack.callback(lambda: pyfuse3.close(unmount=not leave_dead))
         if options.metrics_port:
             start_metrics_server(operations.report, options.metrics_address, options.metrics_port)
-        log.info("mounted %s at %s (pid %d)", options.source, options.mountpoint, os.getpid())
+        log.info("mounted %s at %s (pid %d)", public_url(options.source), options.mountpoint, os.getpid())
         ready()
-        trio.run(_serve_until_unmounted, options.mountpoint)
+        mount_record.running(
+            record, public_url(options.source), options.mountpoint, options.log_file, supervisor
+        )
+        try:
+            signalled = trio.run(_serve_until_unmounted, options.mountpoint)
+            ending = how_serving_ended(signalled, is_listed_mount(options.mountpoint), options.mountpoint)
+        except Exception as exc:
+            log.critical("the mount's serving loop failed", exc_info=True)
+            ending = serving_failed(exc, options.mountpoint)
+        leave_dead = ending.code != EXIT_UNMOUNTED and ending.code != EXIT_UNMOUNTED_OUTSIDE
         failed = staging.upload_all()
         for url in failed:
             log.error("could not upload %s before unmounting; its data stays in %s", url, staging.directory)
-        log.info("unmounted %s", options.mountpoint)
-        return 1 if failed else 0
-    raise AssertionError("unreachable")
+        if failed:
+            ending = Ending(
+                EXIT_UPLOADS_FAILED
+                if ending.code in (EXIT_UNMOUNTED, EXIT_UNMOUNTED_OUTSIDE)
+                else ending.code,
+                f"{ending.cause}; {len(failed)} file(s) could not be uploaded, their data stays in "
+                f"{staging.directory} (the next mount uploads them)",
+            )
+    return ending
 
 
-async def _serve_until_unmounted(mountpoint: Path) -> None:
+def how_serving_ended(signalled: str | None, still_listed: bool, mountpoint: Path) -> Ending:
+    """pyfuse3.main returned: on our pyfuse3.terminate() (a signal), or when the kernel ended the session
+    (libfuse takes ENODEV from /dev/fuse as the end): unmounted from outside, or the connection aborted
+    (the mount stays listed, dead)."""
+    if signalled:
+        return Ending(EXIT_UNMOUNTED, f"{signalled}: unmounted on request")
+    if still_listed:
+        return Ending(
+            EXIT_CONNECTION_ABORTED,
+            "the kernel's FUSE connection was aborted (/sys/fs/fuse/connections/N/abort, or the kernel "
+            f"gave up on it); {DEAD_MOUNT_ADVICE.format(mountpoint=mountpoint)}",
+        )
+    return Ending(EXIT_UNMOUNTED_OUTSIDE, "unmounted from outside (umount or fusermount3 -u)")
+
+
+def serving_failed(exc: BaseException, mountpoint: Path) -> Ending:
+    """An exception out of the serving loop: a bug. The mount is left dead in place."""
+    return Ending(
+        EXIT_INTERNAL_ERROR,
+        f"internal error: {type(exc).__name__}: {exc} (the traceback is above); "
+        f"{DEAD_MOUNT_ADVICE.format(mountpoint=mountpoint)}",
+    )
+
+
+async def _serve_until_unmounted(mountpoint: Path) -> str | None:
+    """Serves until pyfuse3.main returns; the name of the signal that ended it, if one did."""
+    signalled: list[str] = []
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(_terminate_on_signal)
+        nursery.start_soon(_terminate_on_signal, signalled)
         nursery.start_soon(_tune_kernel_after_init, mountpoint)
         await pyfuse3.main(min_tasks=4, max_tasks=64)
         nursery.cancel_scope.cancel()
+    return signalled[0] if signalled else None
 
 
-async def _terminate_on_signal() -> None:
+async def _terminate_on_signal(signalled: list[str]) -> None:
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
         async for signum in signals:
-            log.info("%s: uploading what is pending, then unmounting", signal.Signals(signum).name)
+            name = signal.Signals(signum).name
+            log.info("%s: uploading what is pending, then unmounting", name)
+            signalled.append(name)
             pyfuse3.terminate()
             return
+
+
+def enable_faulthandler() -> None:
+    """A fatal signal (SIGSEGV, SIGABRT, SIGBUS...) writes every thread's Python stack to the log before the
+    process dies; SIGUSR1 writes them and goes on."""
+    stream = log_stream()
+    faulthandler.enable(file=stream, all_threads=True)
+    faulthandler.register(signal.SIGUSR1, file=stream, all_threads=True)
+
+
+def log_stream() -> TextIO:
+    """The open log file (the root logger's file handler), or stderr."""
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler) and handler.stream is not None:
+            return handler.stream
+    return sys.stderr
 
 
 def keep_freed_memory() -> None:
