@@ -153,6 +153,8 @@ def how_serving_ended(signalled: str | None, still_listed: bool, mountpoint: Pat
 
 def serving_failed(exc: BaseException, mountpoint: Path) -> Ending:
     """An exception out of the serving loop: a bug. The mount is left dead in place."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:  # a trio nursery's
+        exc = exc.exceptions[0]
     return Ending(
         EXIT_INTERNAL_ERROR,
         f"internal error: {type(exc).__name__}: {exc} (the traceback is above); "

@@ -12,10 +12,13 @@ def mountpoint_state(path: Path) -> str:
     """'missing', 'not-a-directory', 'stale' (a dead FUSE mount: ENOTCONN), 'mounted' or 'free'."""
     try:
         os.stat(path)
+        # A FUSE mount's root attributes may come from the kernel's cache (attr TTL) after its process
+        # died; statfs is never cached: it asks the mount, and a dead one answers ENOTCONN.
+        os.statvfs(path)
     except FileNotFoundError:
         return "missing"
     except OSError as exc:
-        if exc.errno in (107, 5):  # ENOTCONN, or EIO from some dead mounts
+        if exc.errno in (107, 103, 5):  # ENOTCONN, ECONNABORTED (just aborted), or EIO from some dead mounts
             return "stale"
         raise
     if not os.path.isdir(path):
