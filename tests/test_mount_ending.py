@@ -27,7 +27,7 @@ import pytest
 from mounts import pffs
 
 from pffs.config import CacheSettings
-from pffs.fuse import ending
+from pffs.fuse import ending, mount_record
 from pffs.fuse.launch import options_with_credentials, start_mount_process
 from pffs.fuse.mount import how_serving_ended, serving_failed
 from pffs.fuse.options import MountOptions
@@ -61,7 +61,7 @@ class Started:
         return data
 
 
-def options_for(tmp_path: Path, **overrides: object) -> MountOptions:
+def options_for(tmp_path: Path, attr_ttl: float = 1.0, **overrides: object) -> MountOptions:
     source = tmp_path / "src"
     source.mkdir(exist_ok=True)
     (source / "hello.txt").write_text("hello\n")
@@ -69,7 +69,11 @@ def options_for(tmp_path: Path, **overrides: object) -> MountOptions:
     mountpoint.mkdir(exist_ok=True)
     cache = CacheSettings(cache_dir=tmp_path / "cache", **overrides)  # type: ignore[arg-type]
     return MountOptions(
-        source=str(source), mountpoint=mountpoint, cache=cache, log_file=tmp_path / "mount.log"
+        source=str(source),
+        mountpoint=mountpoint,
+        cache=cache,
+        log_file=tmp_path / "mount.log",
+        attr_ttl=attr_ttl,
     )
 
 
@@ -98,10 +102,11 @@ def is_listed(path: Path) -> bool:
 def started(
     tmp_path: Path,
     start: Callable[[MountOptions], tuple[int, subprocess.Popen[bytes]]] | None = None,
+    attr_ttl: float = 1.0,
     **overrides: object,
 ) -> Iterator[Started]:
     """A mount of a local folder; afterwards nothing of it is left: both processes ended, nothing mounted."""
-    options = options_for(tmp_path, **overrides)
+    options = options_for(tmp_path, attr_ttl, **overrides)
     if start is None:
         process = start_mount_process(options, ready_timeout_s=60)
         pid, supervisor = process.pid, process.popen
@@ -137,7 +142,8 @@ def serving_pid_of(mountpoint: Path) -> int:
 
 @pytest.mark.parametrize("whom", ["serving", "supervisor"])
 def test_sigterm_to_either_process_unmounts_with_exit_0_and_says_so(tmp_path: Path, whom: str) -> None:
-    with started(tmp_path) as mount:
+    # attr_ttl 0: a stat of the mountpoint by the mount itself once it stopped serving would wait for ever
+    with started(tmp_path, attr_ttl=0) as mount:
         assert serving_pid_of(mount.path) == mount.pid
         assert (mount.path / "hello.txt").read_text() == "hello\n"
         os.kill(mount.pid if whom == "serving" else mount.supervisor.pid, signal.SIGTERM)
@@ -409,3 +415,22 @@ def test_wait_statuses_and_exit_codes_in_words() -> None:
     assert exited.code == ending.EXIT_CONNECTION_ABORTED
     assert ending.describe_exit_code(-6) == "killed by SIGABRT" == ending.describe_exit_code(134)
     assert "137 SIGKILL" in pffs("mount", "--help").stdout
+
+
+def test_the_record_says_nothing_while_the_supervisor_runs_and_reads_back_a_cause(tmp_path: Path) -> None:
+    record = tmp_path / "mount-x.state.json"
+    title = "import setproctitle, sys; setproctitle.setproctitle('pffs mount-supervisor /src /mnt'); input()"
+    stand_in = subprocess.Popen([sys.executable, "-c", title], stdin=subprocess.PIPE)
+    try:
+        poll(
+            "the title is set", lambda: Path(f"/proc/{stand_in.pid}/cmdline").read_bytes().startswith(b"pffs")
+        )
+        mount_record.write(record, state="running", mountpoint="/mnt", pid=2**22 + 1, supervisor=stand_in.pid)
+        assert mount_record.ended_without_a_word(record) is None
+    finally:
+        stand_in.kill()
+        stand_in.wait()
+    assert "ended without a last word" in (mount_record.last_cause(record) or "")
+    mount_record.ended(record, 137, "killed by SIGKILL")
+    assert mount_record.ended_without_a_word(record) is None
+    assert mount_record.last_cause(record) == "killed by SIGKILL [exit 137]"

@@ -35,7 +35,7 @@ from pffs.fuse.ending import (
     Ending,
 )
 from pffs.fuse.metrics import start_metrics_server
-from pffs.fuse.mountpoint import is_listed_mount
+from pffs.fuse.mountpoint import in_mount_table
 from pffs.fuse.operations import Operations
 from pffs.fuse.options import MountOptions
 from pffs.processes import public_url
@@ -117,7 +117,9 @@ def _mount_and_serve(
         )
         try:
             signalled = trio.run(_serve_until_unmounted, options.mountpoint)
-            ending = how_serving_ended(signalled, is_listed_mount(options.mountpoint), options.mountpoint)
+            # Still mounted after a signal: never stat it here (nobody answers now), read the table only.
+            listed = not signalled and in_mount_table(options.mountpoint)
+            ending = how_serving_ended(signalled, listed, options.mountpoint)
         except Exception as exc:
             log.critical("the mount's serving loop failed", exc_info=True)
             ending = serving_failed(exc, options.mountpoint)

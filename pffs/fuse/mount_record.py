@@ -83,7 +83,7 @@ def ended_without_a_word(path: Path) -> str | None:
     record = read(path)
     if record is None or record.get("state") != "running":
         return None
-    if any(is_mount_process(record.get(key)) for key in ("pid", "supervisor")):
+    if is_mount_process(record.get("pid")) or is_mount_process(record.get("supervisor"), supervisor_too=True):
         return None
     return (
         f"the previous mount at {record.get('mountpoint')} (pid {record.get('pid')}, started "

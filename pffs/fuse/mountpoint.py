@@ -4,6 +4,7 @@ the CLI and the CSI plugin use it without loading the FUSE stack."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -35,6 +36,23 @@ def is_listed_mount(path: Path) -> bool:
             return any(line.split()[1] == target for line in mounts if len(line.split()) > 1)
     except OSError:
         return False
+
+
+def in_mount_table(path: Path) -> bool:
+    """Whether the absolute `path` is a mount point in /proc/self/mountinfo, without touching the path:
+    the serving process must never stat its own mountpoint once it stopped answering (it would wait for
+    itself for ever)."""
+    wanted = os.fsencode(str(path))
+    try:
+        with open("/proc/self/mountinfo", "rb") as table:
+            for line in table:
+                field = line.split()[4]
+                unescaped = re.sub(rb"\\([0-7]{3})", lambda m: bytes([int(m.group(1), 8)]), field)
+                if unescaped == wanted:
+                    return True
+    except (OSError, IndexError):
+        return False
+    return False
 
 
 def force_unmount(path: Path) -> None:
