@@ -256,7 +256,7 @@ class VolumeManager:
     def how_it_ended(self, staged: Staged) -> str:
         """How the mount process of `staged` ended, from the record next to its log (mount_record)."""
         log_file = self.log_file(staged.staging_path)
-        cause = mount_record.last_cause(mount_record.record_path_for_log(log_file))
+        cause = mount_record.last_cause(mount_record.record_path_for_log(log_file), wait_s=2.0)
         return f"{cause or 'no last word recorded'}; its log: {log_file}"
 
     def check(self) -> None:

@@ -499,6 +499,8 @@ def test_kill_9_of_the_mount_process_recovers_within_10_s(
     wait_for("one recovery counted", lambda: plugin.metric("pffs_csi_recoveries_total") == 1, 5)
     assert plugin.metric("pffs_csi_recovery_failures_total") == 0
     assert len(re.findall(r"mounted \S+ again at", plugin.log())) == 1
+    # how it ended, from the record its supervisor wrote (pffs.fuse.mount_record)
+    assert f"is dead (pid {old_pid}: killed by SIGKILL" in plugin.log(), plugin.log()
     health = plugin.node.NodeGetVolumeHealth(
         csi_pb2.NodeGetVolumeHealthRequest(volume_id="pv-rec", volume_publish_path=str(a)),
         timeout=RPC_TIMEOUT,

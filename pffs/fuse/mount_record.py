@@ -92,8 +92,15 @@ def ended_without_a_word(path: Path) -> str | None:
     )
 
 
-def last_cause(path: Path) -> str | None:
-    """How the mount recorded at `path` ended, in one line, if it ended."""
+def last_cause(path: Path, wait_s: float = 0.0) -> str | None:
+    """How the mount recorded at `path` ended, in one line, if it ended. `wait_s`: how long to give its
+    supervisor, still running, to write the cause (it does so just after the serving process died)."""
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        current = read(path) or {}
+        if current.get("state") != "running" or not is_mount_process(current.get("supervisor"), True):
+            break
+        time.sleep(0.02)
     found = ended_without_a_word(path)
     if found is not None:
         return found
