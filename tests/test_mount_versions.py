@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import s3fs
-from helpers import pattern, sha256
+from helpers import pattern, pffs_fs, server_options, sha256
 from mounts import mounted
 
 from pffs.testing.s3_server import SeaweedS3
@@ -96,3 +96,50 @@ def test_a_new_open_sees_the_new_version_while_the_kernel_still_trusts_the_old_n
             rest = read_rest(f.fileno())
             if rest is not None:
                 assert sha256(head + rest) == sha256(old)
+
+
+# Found by the model (read-write, long TTLs): a handle on an object deleted meanwhile got ENOENT (mount and
+# SDK), and `> file` on a name deleted elsewhere, while the kernel still knew it, failed with ENOENT.
+
+
+def test_a_handle_on_an_object_deleted_meanwhile_reads_it_or_gets_estale(
+    s3_server: SeaweedS3, raw_s3: s3fs.S3FileSystem, s3_env: dict[str, str], tmp_path: Path
+) -> None:
+    bucket = f"ver-{uuid.uuid4().hex[:10]}"
+    raw_s3.mkdir(bucket)
+    data = pattern(48 * BLOCK, seed=5)
+    raw_s3.pipe(f"{bucket}/obj.bin", data)
+    tail = len(data) - 100
+    extra = ("--read-only", "--block-size", "64K", "--memory-cache-size", "64K")
+    with mounted(f"s3://{bucket}", tmp_path, s3_env, "--endpoint-url", s3_server.endpoint_url, *extra) as m:
+        fd = os.open(m.path / "obj.bin", os.O_RDONLY)
+        sdk = pffs_fs(f"s3://{bucket}", tmp_path / "sdk-cache", block_size="64K", **server_options(s3_server))
+        try:
+            with sdk.open("obj.bin", "rb") as f:
+                assert os.pread(fd, 4096, 0) == data[:4096]
+                assert f.read(4096) == data[:4096]
+                raw_s3.rm(f"{bucket}/obj.bin")
+                with pytest.raises(OSError) as mount_error:
+                    os.pread(fd, 100, tail)  # never read: not in any cache
+                assert mount_error.value.errno == errno.ESTALE
+                f.seek(tail)
+                with pytest.raises(OSError) as sdk_error:
+                    f.read(100)
+                assert sdk_error.value.errno == errno.ESTALE
+        finally:
+            os.close(fd)
+
+
+def test_writing_a_name_deleted_elsewhere_makes_it_anew(
+    s3_server: SeaweedS3, raw_s3: s3fs.S3FileSystem, s3_env: dict[str, str], tmp_path: Path
+) -> None:
+    bucket = f"ver-{uuid.uuid4().hex[:10]}"
+    raw_s3.mkdir(bucket)
+    raw_s3.pipe(f"{bucket}/keep", b"k")
+    extra = ("--attr-ttl", "60", "--dir-ttl", "60")
+    with mounted(f"s3://{bucket}", tmp_path, s3_env, "--endpoint-url", s3_server.endpoint_url, *extra) as m:
+        (m.path / "a").write_bytes(b"first")
+        raw_s3.rm(f"{bucket}/a")
+        (m.path / "a").write_bytes(b"second")  # the kernel still knows "a": an open with O_TRUNC
+        assert raw_s3.cat(f"{bucket}/a") == b"second"
+        assert (m.path / "a").read_bytes() == b"second"

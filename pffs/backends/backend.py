@@ -256,7 +256,8 @@ class Backend:
             into[:] = data
             return into
 
-        return self._call("get", read, info.path)
+        with _gone_is_changed(self.url(info.path)):
+            return self._call("get", read, info.path)
 
     # Reads by path cannot be pinned to a version: the object is stat'ed after every ranged read, so a file
     # rewritten meanwhile (HDFS, local files) is ObjectChangedError, never a mix of old and new blocks.
@@ -334,6 +335,10 @@ class S3Backend(Backend):
         self._native_pid = 0
 
     def read_range(self, info: ObjectInfo, start: int, end: int, into: memoryview | None = None) -> Block:
+        with _gone_is_changed(self.url(info.path)):
+            return self._read_range(info, start, end, into)
+
+    def _read_range(self, info: ObjectInfo, start: int, end: int, into: memoryview | None) -> Block:
         native = self._native_getter()
         if native is not None:
             fs: Any = self.fs
@@ -523,6 +528,16 @@ class S3Backend(Backend):
 def _marker_key(key: str) -> str:
     """The key of a folder's marker object, `name/`."""
     return key.rstrip("/") + "/"
+
+
+@contextlib.contextmanager
+def _gone_is_changed(url: str) -> Iterator[None]:
+    """A read pinned to a version, of an object no longer there: the version is gone (ESTALE, "open it
+    again"), not "no such file" — the reader opened it while it was there."""
+    try:
+        yield
+    except FileNotFoundError:
+        raise ObjectChangedError(url) from None
 
 
 @contextlib.contextmanager

@@ -365,7 +365,12 @@ class Operations(pyfuse3.Operations):
         """The staged copy of path: emptied (O_TRUNC: the stored bytes go at the next upload, even if
         nothing is written), or filled with the stored bytes (read through the cache). Where the mount
         keeps attributes, the upload carries the object's."""
-        info = self.ns.stat(path)
+        try:
+            info = self.ns.stat(path)
+        except FileNotFoundError:
+            if not empty:
+                raise
+            info = ObjectInfo(path=path, size=0, is_dir=False, identity="")  # gone: written anew
         if empty:
             staged = self.staging.open(path, None)
             with staged.lock:
@@ -532,7 +537,13 @@ class Operations(pyfuse3.Operations):
         fh = next(self._handles)
         if flags & os.O_ACCMODE != os.O_RDONLY:
             self._check_writable()
-            await self._check_current(inode, path)
+            try:
+                await self._check_current(inode, path)
+            except FileNotFoundError:
+                # Deleted by someone else while the kernel still knew the name: `> file` (O_CREAT |
+                # O_TRUNC) makes it anew, as on a local disk; without O_TRUNC there is nothing to open.
+                if not flags & os.O_TRUNC:
+                    raise
             self._opened_version.pop(inode, None)
             if flags & os.O_TRUNC or self.staging.get(path) is not None:
                 staged = await self._backend(self._open_staged, path, bool(flags & os.O_TRUNC))
