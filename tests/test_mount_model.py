@@ -6,10 +6,9 @@ cache), remounts over the same cache, and a second mount and an SDK reader on th
 observation is checked against the model; a failure shrinks to a short sequence of steps (hypothesis
 prints it), which then becomes a plain test in test_mount_versions.py.
 
-The budget in `.ci/run`: PFFS_MODEL_EXAMPLES examples (default 5; four times as many with long TTLs, which
-never wait for them) of up to PFFS_MODEL_STEPS steps (default 40) per configuration, with hypothesis's
-derandomized seed, so CI runs the same sequences every time (about four minutes in all). A longer,
-random search on demand:
+The budget in `.ci/run`: PFFS_MODEL_EXAMPLES examples (default 5) of up to PFFS_MODEL_STEPS steps (default
+40) per configuration, with hypothesis's derandomized seed, so CI runs the same sequences every time
+(about three minutes in all). A longer, random search on demand:
 
     PFFS_MODEL_EXAMPLES=200 PFFS_MODEL_STEPS=60 PFFS_MODEL_RANDOM=1 .venv/bin/python -m pytest \\
         tests/test_mount_model.py
@@ -232,7 +231,6 @@ class MountModelMachine(RuleBasedStateMachine):
         self.handles.append(handle)
         note(f"{view}: open {name} -> h{len(self.handles) - 1} {state.describe()}")
 
-    @precondition(lambda self: self.handles)
     @rule(
         which=st.integers(0, 15),
         at=st.floats(0, 1.05),
@@ -240,6 +238,8 @@ class MountModelMachine(RuleBasedStateMachine):
         seek=st.booleans(),
     )
     def read(self, which: int, at: float, length: int, seek: bool) -> None:
+        if not self.handles:  # a no-op rather than a precondition: the draws never depend on the system
+            return
         handle = self.handles[which % len(self.handles)]
         offset = int(at * handle.state.size)
         try:
@@ -282,16 +282,18 @@ class MountModelMachine(RuleBasedStateMachine):
         self.read(len(self.handles) - 1, 0.0, 1 << 22, False)
         self.close(len(self.handles) - 1)
 
-    @precondition(lambda self: self.handles)
     @rule(which=st.integers(0, 15))
     def close(self, which: int) -> None:
+        if not self.handles:
+            return
         self._close(self.handles[which % len(self.handles)])
 
-    @precondition(lambda self: any(h.fd is not None for h in self.handles))
     @rule(which=st.integers(0, 15))
     def evict_page_cache(self, which: int) -> None:
         """The kernel drops the file's cached pages (as under memory pressure)."""
         mounted = [h for h in self.handles if h.fd is not None]
+        if not mounted:
+            return
         os.posix_fadvise(mounted[which % len(mounted)].fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
     @rule(view=st.sampled_from(["m1", "m2", "sdk"]), name=TOUCHED)
@@ -468,7 +470,7 @@ def test_mounts_and_sdk_against_the_reference_model(
         rig = Rig(config, s3_server, raw_s3, bucket, mounts, sdk)
         machine = type("Machine", (MountModelMachine,), {"rig": rig})
         budget = settings(
-            max_examples=EXAMPLES if config.short else 4 * EXAMPLES,  # no TTL waits: cheap examples
+            max_examples=EXAMPLES,
             stateful_step_count=STEPS,
             deadline=None,
             derandomize=not RANDOM,

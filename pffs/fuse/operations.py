@@ -210,6 +210,11 @@ class Operations(pyfuse3.Operations):
         assert isinstance(info, ObjectInfo)
         return info
 
+    def _shown_now(self, inode: int, info: ObjectInfo) -> pyfuse3.EntryAttributes:
+        """The attributes of `info` for the kernel, after a change made here: `inode` now stands for it."""
+        self.inodes.shown(inode, info)
+        return self.attributes(inode, info)
+
     def _check_writable(self) -> None:
         if self.options.read_only:
             raise pyfuse3.FUSEError(errno.EROFS)
@@ -261,6 +266,8 @@ class Operations(pyfuse3.Operations):
                 # The path holds another writer's version now, under a new number; this one is still
                 # the file its handles read (its size is theirs), until the kernel forgets it.
                 info = self.inodes.version(inode) or info
+            else:
+                self.inodes.shown(inode, info)
             return self.attributes(inode, info)
         except FileNotFoundError:
             # Unlinked while open (fstat on the handle): the version the handle holds, with no links.
@@ -309,7 +316,7 @@ class Operations(pyfuse3.Operations):
                 staged.mtime_ns = attr.st_mtime_ns
             else:
                 self._mtime_set[path] = attr.st_mtime_ns
-        return self.attributes(inode, await self._stat(path))
+        return self._shown_now(inode, await self._stat(path))
 
     async def _set_posix_attributes(
         self,
@@ -342,7 +349,7 @@ class Operations(pyfuse3.Operations):
         if change:
             await self._backend(self.ns.set_attributes, path, change, shown)
             self.inodes.changed_here(path)
-        return self.attributes(inode, await self._stat(path))
+        return self._shown_now(inode, await self._stat(path))
 
     async def _truncate(self, path: str, size: int, handle: FileHandle | None) -> None:
         if handle is not None and handle.writable:
@@ -565,12 +572,13 @@ class Operations(pyfuse3.Operations):
         return pyfuse3.FileInfo(fh=fh, keep_cache=keep)
 
     async def _check_current(self, inode: int, path: str) -> ObjectInfo:
-        """What `path` holds now, if `inode` still stands for it. If another writer replaced it, ESTALE:
-        the kernel then looks the name up again (getting the new version's number) and retries the open
-        once, so the open reads the new version and the old number's page cache stays the old one's."""
+        """What `path` holds now, if the kernel was told of that version for `inode`. If not, ESTALE: the
+        kernel then looks the name up again (getting the new version's number, or this number's fresh
+        attributes after a change made here) and retries the open once, so the open reads the version its
+        size is of, and an old number's page cache stays the old version's."""
         info = await self._stat(path)
-        if self.inodes.replaced(inode, info):
-            raise OSError(errno.ESTALE, f"{path} was replaced in the store; open it again")
+        if self.inodes.stale(inode, info):
+            raise OSError(errno.ESTALE, f"{path} changed in the store; open it again")
         return info
 
     @fuse_errors

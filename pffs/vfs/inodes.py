@@ -11,7 +11,10 @@ that a newer handle filled with the new version's bytes, one file made of two ve
 version, the old handles keep their inode, its page cache holds only the old bytes, and what they read that
 is not cached comes from their pinned version (or fails with ESTALE once it is gone from the store).
 Changes made through this mount (writes, truncates, chmod, renames) keep the number, as on a local disk:
-`changed_here` says the next version seen is this mount's own.
+`changed_here` says the next version seen is this mount's own. Either way an open checks the version it
+pins against the one the kernel was last told of for the number (`stale`): where they differ, the open is
+refused with ESTALE, and the kernel looks the name up again (a new number, or fresh attributes for this one)
+and retries, so a handle's size and bytes are always of one version.
 """
 
 from __future__ import annotations
@@ -48,8 +51,9 @@ class InodeTable:
         self._path_of: dict[int, str] = {ROOT_INODE: root_path}
         self._inode_of: dict[str, int] = {root_path: ROOT_INODE}
         self._lookups: dict[int, int] = {ROOT_INODE: 1}  # the root is never forgotten
-        # The version a number stands for; none yet (or this mount changed it): the next one seen.
+        # The version a number stands for: the one the kernel was last told of.
         self._version_of: dict[int, ObjectInfo] = {}
+        self._changed_here: set[int] = set()  # numbers whose next version is this mount's own
         self._next = ROOT_INODE + 1
 
     def path(self, inode: int) -> str:
@@ -65,8 +69,19 @@ class InodeTable:
     def replaced(self, inode: int, info: ObjectInfo) -> bool:
         """True if `info` (what the path shows now) is another writer's replacement of the version
         `inode` stands for: the path has a new number for it, or gets one at its next lookup."""
+        return inode not in self._changed_here and self.stale(inode, info)
+
+    def stale(self, inode: int, info: ObjectInfo) -> bool:
+        """True if the kernel was last told of another version for `inode` than `info`."""
         bound = self._version_of.get(inode)
         return bound is not None and _replaces(bound, info)
+
+    def shown(self, inode: int, info: ObjectInfo) -> None:
+        """The kernel was told of `info` for `inode` (getattr of a number this mount changed)."""
+        with self._lock:
+            if inode in self._path_of:
+                self._version_of[inode] = info
+                self._changed_here.discard(inode)
 
     def inode(self, path: str, info: ObjectInfo | None = None) -> int:
         """The number of `path` as `info` shows it, made now if it has none; does not count a lookup."""
@@ -92,6 +107,7 @@ class InodeTable:
             self._path_of[inode] = path
         if info is not None:
             self._version_of[inode] = info
+            self._changed_here.discard(inode)
         return inode
 
     def changed_here(self, path: str) -> None:
@@ -100,7 +116,7 @@ class InodeTable:
         with self._lock:
             inode = self._inode_of.get(path)
             if inode is not None:
-                self._version_of.pop(inode, None)
+                self._changed_here.add(inode)
 
     def forget(self, inode: int, count: int) -> None:
         if inode == ROOT_INODE:
@@ -112,6 +128,7 @@ class InodeTable:
                 return
             self._lookups.pop(inode, None)
             self._version_of.pop(inode, None)
+            self._changed_here.discard(inode)
             path = self._path_of.pop(inode, None)
             if path is not None and self._inode_of.get(path) == inode:
                 del self._inode_of[path]
@@ -127,6 +144,7 @@ class InodeTable:
         if inode is not None and inode not in self._lookups:
             self._path_of.pop(inode, None)
             self._version_of.pop(inode, None)
+            self._changed_here.discard(inode)
 
     def rename(self, old: str, new: str) -> None:
         """Moves `old` and everything known under it to `new`; what was at `new` is detached. The moved
@@ -139,7 +157,7 @@ class InodeTable:
                 moved = new + path[len(old) :]
                 self._inode_of[moved] = inode
                 self._path_of[inode] = moved
-                self._version_of.pop(inode, None)
+                self._changed_here.add(inode)
 
     def __len__(self) -> int:
         return len(self._path_of)
