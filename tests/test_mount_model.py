@@ -6,10 +6,9 @@ cache), remounts over the same cache, and a second mount and an SDK reader on th
 observation is checked against the model; a failure shrinks to a short sequence of steps (hypothesis
 prints it), which then becomes a plain test in test_mount_versions.py.
 
-The budget in `.ci/run`: PFFS_MODEL_EXAMPLES examples (default 5; four times as many with long TTLs, which
-never wait for them) of up to PFFS_MODEL_STEPS steps (default 40) per configuration, with hypothesis's
-derandomized seed, so CI runs the same sequences every time (about three minutes in all). A longer,
-random search on demand:
+The budget in `.ci/run`: PFFS_MODEL_EXAMPLES examples (default 5) of up to PFFS_MODEL_STEPS steps (default
+40) per configuration, with hypothesis's derandomized seed, so CI runs the same sequences every time
+(about three minutes in all). A longer, random search on demand:
 
     PFFS_MODEL_EXAMPLES=200 PFFS_MODEL_STEPS=60 PFFS_MODEL_RANDOM=1 .venv/bin/python -m pytest \\
         tests/test_mount_model.py
@@ -471,7 +470,7 @@ def test_mounts_and_sdk_against_the_reference_model(
         rig = Rig(config, s3_server, raw_s3, bucket, mounts, sdk)
         machine = type("Machine", (MountModelMachine,), {"rig": rig})
         budget = settings(
-            max_examples=EXAMPLES if config.short else 4 * EXAMPLES,  # no TTL waits: cheap examples
+            max_examples=EXAMPLES,
             stateful_step_count=STEPS,
             deadline=None,
             derandomize=not RANDOM,
