@@ -40,11 +40,13 @@ fi
 # Go-built tools for the CSI tests, built once into a cache folder outside the repository (CI's clean
 # clones reuse it; Go's own module and build caches make a rebuild after a version change quick):
 # csi-sanity (the CSI conformance suite; its module also brings the spec's csi.proto that
-# tests/test_csi_proto.py compares ours with) and kustomize (renders deploy/ for tests/test_deploy.py).
+# tests/test_csi_proto.py compares ours with), kustomize (renders deploy/ for tests/test_deploy.py) and
+# helm (renders and lints the chart deploy/helm/pffs-csi, from which deploy/csi is generated).
 TOOLS_BIN="${PFFS_TOOLS_BIN:-$HOME/.cache/pffs-tools/bin}"
 GO_TOOLS=(
     "csi-sanity github.com/kubernetes-csi/csi-test/v5/cmd/csi-sanity@v5.6.0"
     "kustomize sigs.k8s.io/kustomize/kustomize/v5@v5.7.1"
+    "helm helm.sh/helm/v3/cmd/helm@v3.22.0"
 )
 for tool in "${GO_TOOLS[@]}"; do
     read -r name module <<<"$tool"

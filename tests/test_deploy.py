@@ -4,8 +4,11 @@ Each folder is rendered as `kubectl apply -k` would (`kustomize build`; deploy/s
 kustomization, so its files are read as they are) and every object is checked field by field against the
 API types of the `kubernetes` Python client: no cluster and no schema download, so a misspelt or misplaced
 field (`volumeMount` for `volumeMounts`) or a value of the wrong type fails here rather than at apply time.
-Then what a platform engineer checks by eye: pinned images, the node plugin's FUSE privileges and its
-RBAC, one driver name everywhere, the example pods' mount propagation, the volume attribute names.
+Then what a platform engineer checks by eye: pinned images, the node plugin's and mounter's FUSE
+privileges and their RBAC, the registration and health wiring, one driver name everywhere, the example
+pods' mount propagation, the volume attribute names. deploy/csi is rendered from the Helm chart
+deploy/helm/pffs-csi: tests/test_helm_chart.py runs the `assert_*` checks here over the chart rendered with
+other values too, and checks that deploy/csi is the chart's render.
 """
 
 from __future__ import annotations
@@ -413,10 +416,13 @@ def test_the_csi_folder_holds_the_driver_and_no_examples() -> None:
         ("Namespace", NAMESPACE),
         ("CSIDriver", DRIVER),
         ("DaemonSet", "pffs-csi-node"),
+        ("DaemonSet", "pffs-csi-mounter"),
         ("Deployment", "pffs-csi-controller"),
-        ("StorageClass", "pffs-s3"),
     } <= kinds
-    assert not {kind for kind, _ in kinds} & {"Pod", "PersistentVolume", "PersistentVolumeClaim"}
+    # No Secret (a placeholder would reset real keys at every apply) and no StorageClass (its source and
+    # endpoint are the user's: deploy/csi/examples has one).
+    forbidden = {"Pod", "PersistentVolume", "PersistentVolumeClaim", "Secret", "StorageClass"}
+    assert not {kind for kind, _ in kinds} & forbidden
 
 
 def test_csidriver() -> None:
@@ -430,72 +436,167 @@ def test_csidriver() -> None:
     }
 
 
-def test_node_plugin_has_what_fuse_needs() -> None:
-    spec = one(render("csi"), "DaemonSet", "pffs-csi-node")["spec"]["template"]["spec"]
-    plugin = container(spec, "pffs-csi")
-    host_paths = {v["name"]: v["hostPath"] for v in spec["volumes"] if "hostPath" in v}
-    mounts = {m["mountPath"]: m for m in plugin["volumeMounts"]}
+# The checks below take the objects (and the kubelet's root dir they were made for), so that
+# tests/test_helm_chart.py runs them over the chart rendered with other values too.
 
-    fuse = mounts["/dev/fuse"]
-    assert host_paths[fuse["name"]] == {"path": "/dev/fuse", "type": "CharDevice"}
-    kubelet = mounts["/var/lib/kubelet"]
-    assert host_paths[kubelet["name"]]["path"] == "/var/lib/kubelet"
-    assert kubelet["mountPropagation"] == "Bidirectional"
-    # Kubernetes accepts Bidirectional only in a privileged container.
-    assert plugin["securityContext"]["privileged"] is True
-    assert "SYS_ADMIN" in plugin["securityContext"]["capabilities"]["add"]
-    # Nothing else in the pod may propagate mounts back to the host.
-    for c in containers(spec):
-        for m in c.get("volumeMounts", []):
-            if m.get("mountPropagation") == "Bidirectional":
-                assert (c["name"], m["mountPath"]) == ("pffs-csi", "/var/lib/kubelet")
-    assert spec["hostNetwork"] is False
-    assert spec["tolerations"] == [{"operator": "Exists"}]
-    assert spec["priorityClassName"] == "system-node-critical"
+NODE_DAEMONSETS = {"pffs-csi-node": "pffs-csi", "pffs-csi-mounter": "pffs-mounter"}  # -> the pffs container
+STATE_DIR = "/var/lib/pffs-csi"
 
 
-def test_node_plugin_socket_and_probe_line_up() -> None:
-    spec = one(render("csi"), "DaemonSet", "pffs-csi-node")["spec"]["template"]["spec"]
-    plugin = container(spec, "pffs-csi")
-    registrar = container(spec, "node-driver-registrar")
-    probe = container(spec, "liveness-probe")
-    host_paths = {v["name"]: v["hostPath"]["path"] for v in spec["volumes"] if "hostPath" in v}
-    socket_volume = {m["mountPath"]: m["name"] for m in plugin["volumeMounts"]}["/csi"]
+def assert_node_pods_have_what_fuse_needs(objects: list[dict[str, Any]], kubelet: str) -> None:
+    """Both node DaemonSets: privileged, /dev/fuse, the kubelet dir at the host's own path with Bidirectional
+    propagation (and nothing else propagating back to the host), the state dir, the host's pid namespace."""
+    for daemonset, name in NODE_DAEMONSETS.items():
+        spec = one(objects, "DaemonSet", daemonset)["spec"]["template"]["spec"]
+        plugin = container(spec, name)
+        host_paths = {v["name"]: v["hostPath"] for v in spec["volumes"] if "hostPath" in v}
+        mounts = {m["mountPath"]: m for m in plugin["volumeMounts"]}
 
-    assert arg_value(plugin["args"], "--endpoint") == "unix:///csi/csi.sock"
-    for sidecar in (registrar, probe):
-        assert arg_value(sidecar["args"], "--csi-address") == "/csi/csi.sock"
-        assert {m["mountPath"]: m["name"] for m in sidecar["volumeMounts"]}["/csi"] == socket_volume
-    # The kubelet dials the socket at the host path the registrar gives it: the socket dir's host path.
-    registration = arg_value(registrar["args"], "--kubelet-registration-path")
-    assert registration == f"{host_paths[socket_volume]}/csi.sock"
-    assert host_paths[socket_volume] == f"/var/lib/kubelet/plugins/{DRIVER}"
-    assert_probe_port(plugin, probe)
+        fuse = mounts["/dev/fuse"]
+        assert host_paths[fuse["name"]] == {"path": "/dev/fuse", "type": "CharDevice"}, daemonset
+        kubelet_mount = mounts[kubelet]
+        assert host_paths[kubelet_mount["name"]] == {"path": kubelet, "type": "Directory"}, daemonset
+        assert kubelet_mount["mountPropagation"] == "Bidirectional", daemonset
+        assert host_paths[mounts[STATE_DIR]["name"]]["type"] == "DirectoryOrCreate", daemonset
+        # Kubernetes accepts Bidirectional only in a privileged container.
+        assert plugin["securityContext"]["privileged"] is True, daemonset
+        assert "SYS_ADMIN" in plugin["securityContext"]["capabilities"]["add"], daemonset
+        # The plugin checks and signals the mount processes, which run in the mounter's pod, by pid.
+        assert spec["hostPID"] is True, daemonset
+        for c in containers(spec):
+            for m in c.get("volumeMounts", []):
+                if m.get("mountPropagation") == "Bidirectional":
+                    assert (c["name"], m["mountPath"]) == (name, kubelet), daemonset
+        assert spec["tolerations"] == [{"operator": "Exists"}], daemonset
+        assert spec["priorityClassName"] == "system-node-critical", daemonset
+        assert spec["dnsPolicy"] == ("ClusterFirstWithHostNet" if spec["hostNetwork"] else "ClusterFirst")
+        assert "cpu" not in plugin["resources"].get("limits", {}), f"{daemonset}: a CPU limit stalls readers"
 
 
-def assert_probe_port(plugin: dict[str, Any], probe: dict[str, Any]) -> None:
-    """The plugin's livenessProbe asks the port the livenessprobe sidecar serves."""
-    port_name = plugin["livenessProbe"]["httpGet"]["port"]
-    ports = {p["name"]: p["containerPort"] for p in plugin["ports"]}
-    assert plugin["livenessProbe"]["httpGet"]["path"] == "/healthz"
-    assert str(ports[port_name]) == arg_value(probe["args"], "--health-port")
+def assert_plugin_and_mounter_share_their_paths(objects: list[dict[str, Any]]) -> None:
+    """The plugin reaches the mounter at its socket, and a mount started by the mounter finds the cache dir
+    and credential files at the paths the plugin gave it: both pods mount each shared path alike."""
+    node = one(objects, "DaemonSet", "pffs-csi-node")["spec"]["template"]["spec"]
+    mounter = one(objects, "DaemonSet", "pffs-csi-mounter")["spec"]["template"]["spec"]
+    plugin, runner = container(node, "pffs-csi"), container(mounter, "pffs-mounter")
+
+    def host_mounts(spec: dict[str, Any], c: dict[str, Any]) -> dict[str, str]:
+        host_paths = {v["name"]: v["hostPath"]["path"] for v in spec["volumes"] if "hostPath" in v}
+        return {m["mountPath"]: host_paths[m["name"]] for m in c["volumeMounts"]}
+
+    assert host_mounts(node, plugin) == host_mounts(mounter, runner)
+    socket = arg_value(runner["args"], "--socket")
+    assert arg_value(plugin["args"], "--mounter") == f"unix://{socket}"
+    assert arg_value(plugin["args"], "--state-dir") == STATE_DIR
+    assert socket.startswith(f"{STATE_DIR}/")
+    cache = arg_value(plugin["args"], "--cache-dir")
+    assert any(cache == path or cache.startswith(f"{path}/") for path in host_mounts(node, plugin))
+    assert arg_value(plugin["args"], "--kubelet-dir") in host_mounts(mounter, runner)
 
 
-def test_plugin_args_follow_the_image_entrypoint() -> None:
-    """The image's ENTRYPOINT is `tini -- pffs`; the manifests give only args, starting with `csi`."""
+def assert_probe_port(c: dict[str, Any], served_by: dict[str, Any] | None = None) -> None:
+    """The container's livenessProbe asks /healthz on a port it names and declares: the port its own
+    --metrics-port serves, or with `served_by` (a livenessprobe sidecar) the sidecar's --health-port."""
+    port_name = c["livenessProbe"]["httpGet"]["port"]
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert isinstance(port_name, str) and port_name in ports, f"{c['name']}: probe port {port_name!r}"
+    assert c["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    if served_by is None:
+        assert port_name == "metrics"
+        assert str(ports[port_name]) == arg_value(c["args"], "--metrics-port")
+        assert arg_value(c["args"], "--metrics-address") == "0.0.0.0"  # the kubelet probes the pod's IP
+    else:
+        assert str(ports[port_name]) == arg_value(served_by["args"], "--health-port")
+
+
+def assert_registration_and_health_line_up(objects: list[dict[str, Any]], kubelet: str) -> None:
+    """The plugin's socket is where the kubelet looks (KUBELET/plugins/csi.pffs.io), and the kubelet learns
+    it from the plugin itself (default) or from node-driver-registrar (node.sidecars.enabled); each probe
+    asks a port that is declared and served."""
+    node = one(objects, "DaemonSet", "pffs-csi-node")["spec"]["template"]["spec"]
+    plugin = container(node, "pffs-csi")
+    socket_dir = f"{kubelet}/plugins/{DRIVER}"
+    assert arg_value(plugin["args"], "--endpoint") == f"unix://{socket_dir}/csi.sock"
+    names = {c["name"] for c in containers(node)}
+    if "node-driver-registrar" in names:
+        assert "--kubelet-registration-dir" not in plugin["args"]
+        registrar = container(node, "node-driver-registrar")
+        probe = container(node, "liveness-probe")
+        host_paths = {v["name"]: v["hostPath"]["path"] for v in node["volumes"] if "hostPath" in v}
+        for sidecar in (registrar, probe):
+            assert arg_value(sidecar["args"], "--csi-address") == "/csi/csi.sock"
+            socket_volume = {m["mountPath"]: m["name"] for m in sidecar["volumeMounts"]}["/csi"]
+            assert host_paths[socket_volume] == socket_dir
+        assert arg_value(registrar["args"], "--kubelet-registration-path") == f"{socket_dir}/csi.sock"
+        registration = {m["mountPath"]: m["name"] for m in registrar["volumeMounts"]}["/registration"]
+        assert host_paths[registration] == f"{kubelet}/plugins_registry"
+        assert_probe_port(plugin, probe)
+    else:
+        assert names == {"pffs-csi"}
+        assert arg_value(plugin["args"], "--kubelet-registration-dir") == f"{kubelet}/plugins_registry"
+        assert_probe_port(plugin)
+    assert_probe_port(
+        container(one(objects, "DaemonSet", "pffs-csi-mounter")["spec"]["template"]["spec"], "pffs-mounter")
+    )
+    controllers = [
+        o for o in objects if o["kind"] == "Deployment" and o["metadata"]["name"] == "pffs-csi-controller"
+    ]
+    for controller in controllers:
+        spec = controller["spec"]["template"]["spec"]
+        sidecar = [c for c in spec["containers"] if c["name"] == "liveness-probe"]
+        assert_probe_port(container(spec, "pffs-csi"), sidecar[0] if sidecar else None)
+
+
+def assert_args_follow_the_image_entrypoint(objects: list[dict[str, Any]]) -> None:
+    """The image's ENTRYPOINT is `tini -- pffs`; the manifests give only args, starting with the command."""
     entrypoint = next(
         line for line in (DEPLOY / "Dockerfile").read_text().splitlines() if line.startswith("ENTRYPOINT")
     )
     assert json.loads(entrypoint.removeprefix("ENTRYPOINT")) == ["/usr/bin/tini", "--", "pffs"]
-    for obj, spec in pod_specs(render("csi")):
+    commands = {
+        ("DaemonSet", "pffs-csi-node"): ["csi", "--mode", "node"],
+        ("DaemonSet", "pffs-csi-mounter"): ["csi-mounter"],
+        ("Deployment", "pffs-csi-controller"): ["csi", "--mode", "controller"],
+    }
+    seen = set()
+    for obj, spec in pod_specs(objects):
         for c in containers(spec):
-            if c["image"].startswith("pffs/csi:"):
-                mode = "node" if obj["kind"] == "DaemonSet" else "controller"
+            if c["image"].rpartition(":")[0].endswith("pffs/csi"):
+                key = (obj["kind"], obj["metadata"]["name"])
+                seen.add(key)
                 assert "command" not in c, label(obj)
-                assert c["args"][:3] == ["csi", "--mode", mode]
-                assert arg_value(c["args"], "--node-id") == "$(NODE_ID)"
-                env = {e["name"]: e for e in c["env"]}
-                assert env["NODE_ID"]["valueFrom"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+                assert c["args"][: len(commands[key])] == commands[key], label(obj)
+                if commands[key][0] == "csi":
+                    assert arg_value(c["args"], "--node-id") == "$(NODE_ID)"
+                    env = {e["name"]: e for e in c["env"]}
+                    assert env["NODE_ID"]["valueFrom"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+    assert seen >= set(list(commands)[:2])
+
+
+def test_node_pods_have_what_fuse_needs() -> None:
+    assert_node_pods_have_what_fuse_needs(render("csi"), "/var/lib/kubelet")
+    spec = one(render("csi"), "DaemonSet", "pffs-csi-node")["spec"]["template"]["spec"]
+    assert spec["hostNetwork"] is False
+
+
+def test_plugin_and_mounter_share_their_paths() -> None:
+    assert_plugin_and_mounter_share_their_paths(render("csi"))
+
+
+def test_registration_and_health_line_up() -> None:
+    assert_registration_and_health_line_up(render("csi"), "/var/lib/kubelet")
+
+
+def test_plugin_args_follow_the_image_entrypoint() -> None:
+    assert_args_follow_the_image_entrypoint(render("csi"))
+
+
+def test_the_mounter_is_replaced_only_when_an_operator_deletes_it() -> None:
+    """A mounter pod replaced ends every mount it runs: no rollout may do that on its own."""
+    objects = render("csi")
+    assert one(objects, "DaemonSet", "pffs-csi-mounter")["spec"]["updateStrategy"] == {"type": "OnDelete"}
+    node = one(objects, "DaemonSet", "pffs-csi-node")["spec"]["updateStrategy"]
+    assert node == {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 1}}
 
 
 def test_controller_is_unprivileged() -> None:
@@ -507,7 +608,9 @@ def test_controller_is_unprivileged() -> None:
         assert context["capabilities"]["drop"] == ["ALL"], c["name"]
         assert context["readOnlyRootFilesystem"] is True, c["name"]
     assert not any("hostPath" in v for v in spec["volumes"])
-    assert_probe_port(container(spec, "pffs-csi"), container(spec, "liveness-probe"))
+    assert {c["name"] for c in containers(spec)} == {"pffs-csi", "csi-provisioner"}
+    provisioner = container(spec, "csi-provisioner")["image"]
+    assert provisioner == "registry.k8s.io/sig-storage/csi-provisioner:v6.3.0"
 
 
 def rules_of(objects: list[dict[str, Any]], service_account: str) -> set[tuple[str, str, str]]:
@@ -528,10 +631,26 @@ def rules_of(objects: list[dict[str, Any]], service_account: str) -> set[tuple[s
     return granted
 
 
-def test_node_plugin_may_only_get_and_patch_nodes() -> None:
-    objects = render("csi")
-    account = one(objects, "DaemonSet", "pffs-csi-node")["spec"]["template"]["spec"]["serviceAccountName"]
-    assert rules_of(objects, account) == {("", "nodes", "get"), ("", "nodes", "patch")}
+def assert_node_rbac(objects: list[dict[str, Any]]) -> None:
+    """The plugin: its Node (topology labels, cache report) and Events on the pods whose mount died or was
+    repaired. The mounter: nothing, not even a token."""
+    node = one(objects, "DaemonSet", "pffs-csi-node")["spec"]["template"]["spec"]
+    assert rules_of(objects, node["serviceAccountName"]) == {
+        ("", "nodes", "get"),
+        ("", "nodes", "patch"),
+        ("", "events", "create"),
+        ("", "events", "patch"),
+    }
+    mounter = one(objects, "DaemonSet", "pffs-csi-mounter")["spec"]["template"]["spec"]
+    account = mounter["serviceAccountName"]
+    assert account != node["serviceAccountName"]
+    assert rules_of(objects, account) == set()
+    assert mounter["automountServiceAccountToken"] is False
+    assert one(objects, "ServiceAccount", account)["automountServiceAccountToken"] is False
+
+
+def test_node_plugin_and_mounter_rbac() -> None:
+    assert_node_rbac(render("csi"))
 
 
 def test_controller_may_provision_and_elect_a_leader() -> None:
@@ -546,18 +665,28 @@ def test_controller_may_provision_and_elect_a_leader() -> None:
     assert not {verb for group, resource, verb in granted if resource == "secrets"} - {"get"}
 
 
+def example_secrets() -> set[tuple[str, str]]:
+    """(namespace, name) of the Secrets deploy/csi/examples/create-credentials.sh makes (the examples ship
+    no Secret object: a placeholder applied later would reset real keys)."""
+    script = (EXAMPLES_DIR / "create-credentials.sh").read_text()
+    namespaces = re.search(r"^for namespace in ([^;]+);", script, re.MULTILINE)
+    names = re.findall(r"create secret generic (\S+)", script)
+    assert namespaces and names, "create-credentials.sh: no `for namespace in` or `create secret generic`"
+    assert "--from-literal=accessKeyId=" in script and "--from-literal=secretAccessKey=" in script
+    return {(namespace, name) for namespace in namespaces[1].split() for name in names}
+
+
 def test_storage_class_speaks_pffs() -> None:
-    objects = render("csi")
-    storage_class = one(objects, "StorageClass", "pffs-s3")
+    storage_class = one(render("csi/examples"), "StorageClass", "pffs-s3")
     assert storage_class["provisioner"] == DRIVER
     parameters = storage_class["parameters"]
     driver_keys = {key for key in parameters if not key.startswith(CO_PARAMETER_PREFIX)}
     assert driver_keys <= VOLUME_ATTRIBUTES, driver_keys - VOLUME_ATTRIBUTES
-    # Each secret it names is one the folder creates.
+    # Each secret it names is one the examples' script creates.
     for use in ("provisioner", "node-stage"):
         name = parameters[f"{CO_PARAMETER_PREFIX}{use}-secret-name"]
         namespace = parameters[f"{CO_PARAMETER_PREFIX}{use}-secret-namespace"]
-        assert one(objects, "Secret", name)["metadata"]["namespace"] == namespace
+        assert (namespace, name) in example_secrets()
 
 
 def pffs_volumes(objects: list[dict[str, Any]], classes: set[str]) -> dict[tuple[str, str], set[str]]:
@@ -590,7 +719,7 @@ def pffs_volumes(objects: list[dict[str, Any]], classes: set[str]) -> dict[tuple
 def test_example_pods_see_repaired_mounts() -> None:
     """HostToContainer: when the node plugin remounts a dead volume, the pod sees it without a restart."""
     objects = render("csi/examples")
-    classes = {o["metadata"]["name"] for o in render("csi") if o["kind"] == "StorageClass"}
+    classes = {o["metadata"]["name"] for o in objects if o["kind"] == "StorageClass"}
     volumes = pffs_volumes(objects, classes)
     assert len([pod for pod, names in volumes.items() if names]) >= 3  # dynamic, static, inline
     for obj, spec in pod_specs(objects):
@@ -602,10 +731,8 @@ def test_example_pods_see_repaired_mounts() -> None:
 
 def test_example_volumes_speak_pffs() -> None:
     objects = render("csi/examples")
-    secrets = {(o["metadata"]["namespace"], o["metadata"]["name"]) for o in objects if o["kind"] == "Secret"}
-    secrets |= {
-        (o["metadata"]["namespace"], o["metadata"]["name"]) for o in render("csi") if o["kind"] == "Secret"
-    }
+    assert not [o for o in objects if o["kind"] == "Secret"], "the examples must not ship a Secret"
+    secrets = example_secrets()
     attributes = []
     for pv in (o for o in objects if o["kind"] == "PersistentVolume"):
         csi = pv["spec"]["csi"]

@@ -1,0 +1,539 @@
+"""The Helm chart deploy/helm/pffs-csi, the one source of the CSI driver's manifests, and the dashboard and
+alert rules that watch the driver.
+
+The chart is linted and rendered with several sets of values (defaults, the CSI sidecars, the host's
+network, JSON logs, prometheus-operator objects, a kubelet elsewhere than /var/lib/kubelet, a
+StorageClass); every render passes tests/test_deploy.py's checks of the API types and of the design (FUSE
+privileges, registration and health wiring, RBAC), and a real API server's server-side dry run. deploy/csi
+must be the chart's render with its default values (scripts/render_manifests.sh), byte for byte.
+
+The dashboard's and the alerts' PromQL may name only metrics pffs exports: the names are taken from the
+registries themselves (the plugin's, the mounter's and a mount's collector), as a scrape would list them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import re
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from helpers import require
+from test_deploy import (
+    CLUSTER_SCOPED,
+    CSI_DIR,
+    NODE_DAEMONSETS,
+    assert_args_follow_the_image_entrypoint,
+    assert_node_pods_have_what_fuse_needs,
+    assert_node_rbac,
+    assert_plugin_and_mounter_share_their_paths,
+    assert_registration_and_health_line_up,
+    container,
+    containers,
+    find_tool,
+    label,
+    one,
+    pod_specs,
+    schema_errors,
+)
+
+REPO = Path(__file__).resolve().parent.parent
+CHART = REPO / "deploy" / "helm" / "pffs-csi"
+MONITORING = REPO / "deploy" / "monitoring"
+RELEASE = "pffs-csi"
+NAMESPACE = "pffs-system"
+DEFAULT_KUBELET = "/var/lib/kubelet"
+# Kinds of prometheus-operator's CRDs: no model in the kubernetes client, no CRD in a bare API server.
+MONITORING_KINDS = {"PodMonitor", "PrometheusRule"}
+
+# name -> values (as `helm template -f` takes them). Each set is rendered, linted and checked.
+VALUE_SETS: dict[str, dict[str, Any]] = {
+    "defaults": {},
+    "sidecars": {"node": {"sidecars": {"enabled": True}}, "controller": {"sidecars": {"enabled": True}}},
+    "host-network": {
+        "hostNetwork": True,
+        "extraEnv": [{"name": "KUBERNETES_SERVICE_HOST", "value": "127.0.0.1"}],
+    },
+    "json-logs": {"logFormat": "json", "logLevel": 2},
+    "monitoring": {
+        "podMonitor": {"enabled": True, "labels": {"release": "prometheus"}},
+        "prometheusRule": {"enabled": True},
+        "dashboard": {"enabled": True},
+    },
+    "k0s": {"node": {"kubeletPath": "/var/lib/k0s/kubelet", "cacheDir": "/mnt/nvme/pffs-cache"}},
+    "storage-class": {
+        "storageClass": {
+            "enabled": True,
+            "source": "s3://datasets/pvc",
+            "endpointUrl": "http://s3.example.internal:8333",
+            "parameters": {"blockSize": "8M", "readOnly": False},
+        },
+        "image": {"registry": "registry.example.internal/mirror", "tag": "0.1.1"},
+        "imagePullSecrets": [{"name": "registry-credentials"}],
+        "controller": {
+            "serviceAccount": {"annotations": {"eks.amazonaws.com/role-arn": "arn:aws:iam::1:role/x"}}
+        },
+        "mounter": {
+            "serviceAccount": {"annotations": {"eks.amazonaws.com/role-arn": "arn:aws:iam::1:role/y"}}
+        },
+    },
+    "no-controller": {"controller": {"enabled": False}, "metrics": {"enabled": False}, "logLevel": 0},
+}
+
+
+def kubelet_of(values: dict[str, Any]) -> str:
+    return str(values.get("node", {}).get("kubeletPath", DEFAULT_KUBELET))
+
+
+# ------------------------------------------------------------------ helm
+
+
+def helm() -> str:
+    path = find_tool("helm")
+    if path is None:
+        require(["helm (not in $PFFS_TOOLS_BIN, ~/.cache/pffs-tools/bin or PATH)"], "the Helm chart's tests")
+    assert path is not None
+    return path
+
+
+def run_helm(*args: str, values: dict[str, Any] | None = None) -> subprocess.CompletedProcess[str]:
+    """helm ARGS, with `values` given as a values file on stdin (JSON is YAML)."""
+    command = [helm(), *args]
+    if values is not None:
+        command += ["--values", "-"]
+    return subprocess.run(
+        command, input=json.dumps(values or {}), capture_output=True, text=True, timeout=120, check=False
+    )
+
+
+@functools.cache
+def _template(values_json: str) -> tuple[Any, ...]:
+    answer = run_helm(
+        "template", RELEASE, str(CHART), "--namespace", NAMESPACE, values=json.loads(values_json)
+    )
+    assert answer.returncode == 0, f"helm template failed:\n{answer.stderr}"
+    return tuple(doc for doc in yaml.safe_load_all(answer.stdout) if doc)
+
+
+def template(values: dict[str, Any]) -> list[dict[str, Any]]:
+    """The objects `helm template pffs-csi deploy/helm/pffs-csi -n pffs-system -f VALUES` renders (once per
+    run: treat them as read-only)."""
+    return list(_template(json.dumps(values, sort_keys=True)))
+
+
+value_sets = pytest.mark.parametrize("values", list(VALUE_SETS.values()), ids=list(VALUE_SETS))
+
+
+@value_sets
+def test_helm_lint_passes(values: dict[str, Any]) -> None:
+    answer = run_helm("lint", "--strict", str(CHART), "--namespace", NAMESPACE, values=values)
+    assert answer.returncode == 0, answer.stdout + answer.stderr
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"logLevel": 3}, "logLevel 3: 0, 1 or 2"),
+        ({"logFormat": "xml"}, 'logFormat "xml": text or json'),
+        ({"image": {"tag": "latest"}}, "image.tag: name a version, not latest"),
+        ({"node": {"kubeletPath": "var/lib/kubelet"}}, "node.kubeletPath"),
+        ({"storageClass": {"enabled": True}}, "storageClass.source"),
+    ],
+)
+def test_a_bad_value_fails_the_render_with_its_name(values: dict[str, Any], message: str) -> None:
+    answer = run_helm("template", RELEASE, str(CHART), "--namespace", NAMESPACE, values=values)
+    assert answer.returncode != 0
+    assert message in answer.stderr
+
+
+@value_sets
+def test_every_object_fits_the_api_types(values: dict[str, Any]) -> None:
+    objects = template(values)
+    errors = [error for obj in objects for error in schema_errors(obj)]
+    assert errors == [], "\n".join(errors)
+    for obj in objects:
+        namespace = obj["metadata"].get("namespace")
+        assert namespace == (None if obj["kind"] in CLUSTER_SCOPED else NAMESPACE), label(obj)
+
+
+@value_sets
+def test_the_design_holds(values: dict[str, Any]) -> None:
+    """tests/test_deploy.py's checks of deploy/csi, over this render."""
+    objects = template(values)
+    kubelet = kubelet_of(values)
+    assert_node_pods_have_what_fuse_needs(objects, kubelet)
+    assert_plugin_and_mounter_share_their_paths(objects)
+    assert_registration_and_health_line_up(objects, kubelet)
+    assert_args_follow_the_image_entrypoint(objects)
+    assert_node_rbac(objects)
+    assert one(objects, "DaemonSet", "pffs-csi-mounter")["spec"]["updateStrategy"] == {"type": "OnDelete"}
+    assert not [o for o in objects if o["kind"] == "Secret"], "the chart must not make a Secret"
+
+
+@value_sets
+def test_the_pffs_command_takes_every_rendered_args(
+    values: dict[str, Any], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each pffs container's args parse with the `pffs` command's own parser (the image's entrypoint runs
+    `pffs ARGS`): a flag the command does not know would crash-loop the pod."""
+    from pffs.cli.main import build_parser
+
+    seen = 0
+    for obj, spec in pod_specs(template(values)):
+        for c in containers(spec):
+            if "pffs/csi:" not in c["image"]:
+                continue
+            args = [arg.replace("$(NODE_ID)", "node-1") for arg in c["args"]]
+            try:
+                build_parser().parse_args(args)
+            except SystemExit:
+                pytest.fail(f"{label(obj)} {c['name']}: `pffs {' '.join(args)}`: {capsys.readouterr().err}")
+            seen += 1
+    assert seen >= 2
+
+
+@value_sets
+def test_every_image_is_pinned(values: dict[str, Any]) -> None:
+    images = [c["image"] for _, spec in pod_specs(template(values)) for c in containers(spec)]
+    assert images
+    for image in images:
+        name, _, tag = image.rpartition(":")
+        assert name and "/" not in tag and tag != "latest" and re.search(r"\d", tag), image
+
+
+def strings(value: Any) -> Iterator[str]:
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from strings(item)
+    elif isinstance(value, list):
+        for item in value:
+            yield from strings(item)
+
+
+@pytest.mark.parametrize("sidecars", [False, True])
+def test_every_kubelet_path_follows_the_value(sidecars: bool) -> None:
+    kubelet = "/var/lib/k0s/kubelet"
+    values = {**VALUE_SETS["k0s"], **(VALUE_SETS["sidecars"] if sidecars else {})}
+    values["node"] = {**VALUE_SETS["k0s"]["node"], "sidecars": {"enabled": sidecars}}
+    objects = template(values)
+    assert_node_pods_have_what_fuse_needs(objects, kubelet)
+    assert_registration_and_health_line_up(objects, kubelet)
+    seen = 0
+    for daemonset in NODE_DAEMONSETS:
+        spec = one(objects, "DaemonSet", daemonset)["spec"]["template"]["spec"]
+        paths = [v["hostPath"]["path"] for v in spec["volumes"] if "hostPath" in v]
+        for c in containers(spec):
+            paths += [m["mountPath"] for m in c.get("volumeMounts", [])] + list(strings(c.get("args", [])))
+        for path in paths:
+            if "kubelet" in path and "/" in path:
+                seen += 1
+                assert kubelet in path, f"{daemonset}: {path}"
+    assert seen >= (9 if sidecars else 7)
+    # Nowhere in the render, comments aside, is the default path left.
+    assert not [s for obj in objects for s in strings(obj) if DEFAULT_KUBELET in s]
+
+
+def test_values_reach_the_pods() -> None:
+    host = template(VALUE_SETS["host-network"])
+    for _, spec in pod_specs(host):
+        assert spec["hostNetwork"] is True and spec["dnsPolicy"] == "ClusterFirstWithHostNet"
+        for c in spec["containers"]:
+            if "pffs/csi:" in c["image"]:
+                assert {"name": "KUBERNETES_SERVICE_HOST", "value": "127.0.0.1"} in c["env"], c["name"]
+    logs = template(VALUE_SETS["json-logs"])
+    quiet = template(VALUE_SETS["no-controller"])
+    for daemonset, name in NODE_DAEMONSETS.items():
+        args = container(one(logs, "DaemonSet", daemonset)["spec"]["template"]["spec"], name)["args"]
+        assert args[-3:] == ["-vv", "--log-format", "json"]
+        args = container(one(quiet, "DaemonSet", daemonset)["spec"]["template"]["spec"], name)["args"]
+        assert not {"-v", "-vv", "--log-format"} & set(args)
+    assert not [o for o in quiet if o["metadata"]["name"] in ("pffs-csi-controller", "pffs-csi-provisioner")]
+    for _, spec in pod_specs(quiet):
+        assert "prometheus.io/scrape" not in str(spec)
+
+    custom = template(VALUE_SETS["storage-class"])
+    for _, spec in pod_specs(custom):
+        assert spec["imagePullSecrets"] == [{"name": "registry-credentials"}]
+        pffs = [c for c in spec["containers"] if "pffs/csi" in c["image"]]
+        assert [c["image"] for c in pffs] == ["registry.example.internal/mirror/pffs/csi:0.1.1"]
+    mounter = one(custom, "ServiceAccount", "pffs-csi-mounter")
+    assert mounter["metadata"]["annotations"] == {"eks.amazonaws.com/role-arn": "arn:aws:iam::1:role/y"}
+    storage_class = one(custom, "StorageClass", "pffs-s3")
+    assert (
+        storage_class["parameters"]["blockSize"] == "8M"
+        and storage_class["parameters"]["readOnly"] == "false"
+    )
+    assert storage_class["parameters"]["csi.storage.k8s.io/node-stage-secret-namespace"] == NAMESPACE
+    assert not [o for o in template({}) if o["kind"] == "StorageClass"]
+
+
+def test_the_monitoring_objects_select_what_serves_metrics() -> None:
+    objects = template(VALUE_SETS["monitoring"])
+    monitor = one(objects, "PodMonitor", "pffs-csi")
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert monitor["metadata"]["labels"]["release"] == "prometheus"
+    spec = monitor["spec"]
+    assert spec["namespaceSelector"] == {"matchNames": [NAMESPACE]}
+    (expression,) = spec["selector"]["matchExpressions"]
+    endpoints = spec["podMetricsEndpoints"]
+    assert [e["port"] for e in endpoints] == ["metrics"] and endpoints[0]["path"] == "/metrics"
+    assert {"sourceLabels": ["__meta_kubernetes_pod_node_name"], "targetLabel": "node"} in endpoints[0][
+        "relabelings"
+    ]
+    selected = []
+    for obj, pod in pod_specs(objects):
+        labels = obj["spec"]["template"]["metadata"]["labels"]
+        if expression["operator"] == "In" and labels.get(expression["key"]) in expression["values"]:
+            selected.append(obj["metadata"]["name"])
+            ports = [p for c in pod["containers"] for p in c.get("ports", []) if p.get("name") == "metrics"]
+            assert len(ports) == 1, label(obj)
+    assert sorted(selected) == ["pffs-csi-controller", "pffs-csi-mounter", "pffs-csi-node"]
+
+    rule = one(objects, "PrometheusRule", "pffs-csi")
+    assert rule["apiVersion"] == "monitoring.coreos.com/v1"
+    assert rule["spec"] == alerts()["spec"]
+    dashboard = one(objects, "ConfigMap", "pffs-csi-dashboard")
+    assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert json.loads(dashboard["data"]["pffs-csi.json"]) == json.loads(
+        (MONITORING / "grafana-dashboard.json").read_text()
+    )
+    assert not {o["kind"] for o in template({})} & MONITORING_KINDS
+
+
+# ------------------------------------------------------------------ deploy/csi is the chart's render
+
+
+def test_deploy_csi_is_the_charts_render(tmp_path: Path) -> None:
+    helm()  # skips, naming helm, where it is missing
+    answer = subprocess.run(
+        ["bash", str(REPO / "scripts" / "render_manifests.sh"), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert answer.returncode == 0, answer.stderr
+    generated = sorted(path.name for path in tmp_path.iterdir())
+    assert generated == ["csidriver.yaml", "pffs-csi.yaml"]
+    stale = [name for name in generated if (tmp_path / name).read_text() != (CSI_DIR / name).read_text()]
+    assert not stale, f"deploy/csi/{stale} differ from the chart: run scripts/render_manifests.sh"
+    kustomization = yaml.safe_load((CSI_DIR / "kustomization.yaml").read_text())
+    assert kustomization["resources"] == ["namespace.yaml", *generated]
+    # The render of the files equals the chart's objects.
+    from_files = [
+        doc for name in generated for doc in yaml.safe_load_all((CSI_DIR / name).read_text()) if doc
+    ]
+    key = json.dumps  # objects are dicts: compare them as sorted JSON
+    assert sorted(map(key, from_files)) == sorted(map(key, template({})))
+
+
+# ------------------------------------------------------------------ a real API server's dry run
+
+
+@pytest.fixture(scope="module")
+def api_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    from pffs.testing.kube_cluster import KubeControlPlane, missing_binaries
+
+    helm()
+    require(missing_binaries(), "the server-side dry run of the chart")
+    with KubeControlPlane(tmp_path_factory.mktemp("kube")) as control_plane:
+        yield control_plane
+
+
+@pytest.mark.kube
+@pytest.mark.timeout(300)
+def test_every_render_passes_a_server_side_dry_run(api_server: Any) -> None:
+    from kubernetes import dynamic
+    from kubernetes.client.exceptions import ApiException
+
+    api = dynamic.DynamicClient(api_server.api())
+    # The namespace for real (a dry-run object cannot live in a namespace a dry run made), with the Pod
+    # Security labels the privileged pods need.
+    namespace = yaml.safe_load((CSI_DIR / "namespace.yaml").read_text())
+    with contextlib.suppress(ApiException):
+        api.resources.get(api_version="v1", kind="Namespace").create(body=namespace)
+    refused = []
+    for name, values in VALUE_SETS.items():
+        objects = [o for o in template(values) if o["kind"] not in MONITORING_KINDS]
+        for obj in objects:
+            resource = api.resources.get(api_version=obj["apiVersion"], kind=obj["kind"])
+            try:
+                resource.create(
+                    body=obj,
+                    namespace=obj["metadata"].get("namespace") if resource.namespaced else None,
+                    dry_run="All",
+                )
+            except ApiException as exc:
+                refused.append(f"[{name}] {label(obj)}: {exc.status} {exc.body}")
+    assert not refused, "\n".join(refused)
+
+
+# ------------------------------------------------------------------ dashboard and alerts
+
+
+def alerts() -> dict[str, Any]:
+    document = yaml.safe_load((MONITORING / "alerts.yaml").read_text())
+    assert isinstance(document, dict)
+    return document
+
+
+def exported_metric_names() -> set[str]:
+    """Every sample name pffs's registries give a scrape: the node plugin's and controller's (PluginMetrics),
+    the mounter's own (MounterMetrics), and a mount's (MountCollector), which the mounter passes on with a
+    `volume` label and the same names. Labelled metrics get one child each, so that they have samples."""
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.metrics import MetricWrapperBase
+
+    from pffs.csi.metrics import MounterMetrics, PluginMetrics
+    from pffs.fuse.metrics import MountCollector
+
+    report = {
+        "cache": {},
+        "cache_usage": {"memory_bytes": 1, "disk_bytes": 2},
+        "backend_requests": {
+            "get": {"requests": 3, "errors": 1, "p50_ms": 1.0, "p90_ms": 2.0, "p99_ms": 3.0}
+        },
+        "uploads_pending": 0,
+        "uploads_done": 0,
+        "upload_failures": 0,
+        "open_files": 0,
+    }
+    mount = CollectorRegistry()
+    mount.register(MountCollector(lambda: report))
+    registries = [mount]
+    for metrics in (PluginMetrics(), MounterMetrics()):
+        for wrapper in vars(metrics).values():
+            labelnames = getattr(wrapper, "_labelnames", ())
+            if isinstance(wrapper, MetricWrapperBase) and labelnames:
+                wrapper.labels(*["x"] * len(labelnames))
+        registries.append(metrics.registry)
+    return {
+        sample.name for registry in registries for family in registry.collect() for sample in family.samples
+    }
+
+
+def test_exported_names_are_what_a_scrape_shows() -> None:
+    names = exported_metric_names()
+    # prometheus_client's suffixes: _total on counters, _bucket/_sum/_count on histograms.
+    assert {"pffs_csi_rpc_total", "pffs_csi_rpc_duration_seconds_bucket", "pffs_csi_volumes_staged"} <= names
+    assert {
+        "pffs_csi_mounter_mount_exits_total",
+        "pffs_cache_misses_total",
+        "pffs_backend_errors_total",
+    } <= names
+    assert "pffs_csi_rpc" not in names
+
+
+def panels(dashboard: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    for panel in dashboard["panels"]:
+        yield panel
+        yield from panel.get("panels", [])  # a collapsed row holds its panels
+
+
+def dashboard_expressions() -> list[tuple[str, str]]:
+    """(where, PromQL) of every query of the dashboard: panels' targets and template variables."""
+    dashboard = json.loads((MONITORING / "grafana-dashboard.json").read_text())
+    found = []
+    for panel in panels(dashboard):
+        for target in panel.get("targets", []):
+            found.append((f"panel {panel['title']!r}", target["expr"]))
+    for variable in dashboard["templating"]["list"]:
+        if variable["type"] == "query":
+            query = variable["query"]
+            found.append(
+                (f"variable {variable['name']}", query["query"] if isinstance(query, dict) else query)
+            )
+    return found
+
+
+def alert_expressions() -> list[tuple[str, str]]:
+    return [
+        (f"alert {rule['alert']}", rule["expr"])
+        for group in alerts()["spec"]["groups"]
+        for rule in group["rules"]
+    ]
+
+
+METRIC = re.compile(r"\bpffs_[a-z0-9_]+")
+UP = re.compile(r"\bup\b\s*[{=!<>]")
+
+
+def test_every_expression_names_only_exported_metrics() -> None:
+    exported = exported_metric_names()
+    expressions = dashboard_expressions() + alert_expressions()
+    assert len(expressions) >= 30
+    unknown = []
+    used = set()
+    for where, expression in expressions:
+        names = set(METRIC.findall(expression))
+        assert names or UP.search(expression), f"{where}: names no metric: {expression}"
+        used |= names
+        unknown += [f"{where}: {name}" for name in sorted(names - exported)]
+    assert not unknown, "not exported by pffs:\n" + "\n".join(unknown)
+    # What the dashboard was asked to show, all there.
+    for wanted in (
+        "pffs_cache_misses_total",
+        "pffs_cache_bytes_fetched_total",
+        "pffs_backend_latency_seconds",
+        "pffs_uploads_pending",
+        "pffs_upload_failures_total",
+        "pffs_open_files",
+        "pffs_csi_rpc_duration_seconds_bucket",
+        "pffs_csi_recoveries_total",
+        "pffs_csi_mounter_mounts",
+        "pffs_csi_mounter_mount_exits_total",
+    ):
+        assert wanted in used, wanted
+
+
+def test_the_extractor_finds_a_misspelt_metric() -> None:
+    assert set(METRIC.findall('sum(rate(pffs_csi_rpc{code!="OK"}[5m])) / pffs_open_files')) == {
+        "pffs_csi_rpc",
+        "pffs_open_files",
+    }
+    assert "pffs_csi_rpc" not in exported_metric_names()
+
+
+def test_every_panel_has_a_title_and_a_place() -> None:
+    dashboard = json.loads((MONITORING / "grafana-dashboard.json").read_text())
+    assert dashboard["uid"] and dashboard["title"]
+    ids = [panel["id"] for panel in panels(dashboard)]
+    assert len(ids) == len(set(ids))
+    for panel in panels(dashboard):
+        assert panel.get("title", "").strip(), panel
+        assert {"h", "w", "x", "y"} <= set(panel["gridPos"]), panel["title"]
+        if panel["type"] != "row":
+            assert panel["targets"], panel["title"]
+            assert panel["datasource"]["uid"] == "${datasource}", panel["title"]
+
+
+def test_every_alert_says_what_and_how_bad() -> None:
+    document = alerts()
+    assert (document["apiVersion"], document["kind"]) == ("monitoring.coreos.com/v1", "PrometheusRule")
+    names = []
+    for group in document["spec"]["groups"]:
+        assert group["name"] and group["rules"]
+        for rule in group["rules"]:
+            assert set(rule) <= {"alert", "expr", "for", "labels", "annotations"}, rule["alert"]
+            assert rule["labels"]["severity"] in ("warning", "critical"), rule["alert"]
+            assert rule["annotations"]["summary"] and rule["annotations"]["description"], rule["alert"]
+            names.append(rule["alert"])
+    assert len(names) == len(set(names))
+    exprs = " ".join(expression for _, expression in alert_expressions())
+    for metric in (
+        "pffs_csi_mounter_mount_exits_total",
+        "pffs_csi_recovery_failures_total",
+        "pffs_backend_errors_total",
+        "pffs_upload_failures_total",
+        "pffs_csi_cache_report_failures_total",
+    ):
+        assert metric in exprs, metric
+    assert UP.search(exprs), "no alert for a pffs pod down"
