@@ -29,6 +29,7 @@ from test_deploy import (
     CLUSTER_SCOPED,
     CSI_DIR,
     NODE_DAEMONSETS,
+    arg_value,
     assert_args_follow_the_image_entrypoint,
     assert_node_pods_have_what_fuse_needs,
     assert_node_rbac,
@@ -273,6 +274,60 @@ def test_values_reach_the_pods() -> None:
     )
     assert storage_class["parameters"]["csi.storage.k8s.io/node-stage-secret-namespace"] == NAMESPACE
     assert not [o for o in template({}) if o["kind"] == "StorageClass"]
+
+
+@pytest.mark.parametrize("sidecars", [False, True])
+def test_pods_on_one_node_never_claim_one_host_port(sidecars: bool) -> None:
+    """With hostNetwork, the node plugin, the mounter and a controller pod on the same node bind the node's
+    ports: each port the chart declares or serves is claimed once."""
+    switch = {"sidecars": {"enabled": sidecars}}
+    objects = template({"hostNetwork": True, "node": switch, "controller": switch})
+    claimed: list[int] = []
+    for _, spec in pod_specs(objects):
+        for c in spec["containers"]:
+            claimed += [p["containerPort"] for p in c.get("ports", [])]
+            if c["name"] == "liveness-probe":
+                claimed.append(int(arg_value(c["args"], "--health-port")))
+    assert len(claimed) >= 3
+    # A port the probed container declares for its sidecar is the sidecar's port, counted once.
+    probes = {
+        p["containerPort"]
+        for _, spec in pod_specs(objects)
+        for c in spec["containers"]
+        for p in c.get("ports", [])
+        if p["name"] == "healthz"
+    }
+    ports = [port for port in claimed if port not in probes] + sorted(probes)
+    assert len(ports) == len(set(ports)), sorted(claimed)
+    assert len(probes) == (2 if sidecars else 0)
+
+
+def test_every_top_level_value_is_documented() -> None:
+    """values.yaml is the chart's manual: a comment above each top-level value."""
+    lines = (CHART / "values.yaml").read_text().splitlines()
+    undocumented = []
+    for index, line in enumerate(lines):
+        if re.match(r"^[A-Za-z]\w*:", line):
+            above = lines[index - 1] if index else ""
+            if not above.startswith("#"):
+                undocumented.append(line.split(":")[0])
+    assert not undocumented
+    assert set(yaml.safe_load((CHART / "values.yaml").read_text())) >= {
+        "image",
+        "imagePullSecrets",
+        "logLevel",
+        "logFormat",
+        "hostNetwork",
+        "metrics",
+        "podMonitor",
+        "prometheusRule",
+        "dashboard",
+        "node",
+        "mounter",
+        "controller",
+        "sidecars",
+        "storageClass",
+    }
 
 
 def test_the_monitoring_objects_select_what_serves_metrics() -> None:
