@@ -3,7 +3,24 @@ tests can run several plugins in one process."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+import http.server
+import logging
+import threading
+from collections.abc import Callable
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+log = logging.getLogger(__name__)
+
+# What /healthz asks: None while healthy, else why not (the probe's body, and the log's line).
+HealthCheck = Callable[[], "str | None"]
 
 
 class PluginMetrics:
@@ -51,5 +68,62 @@ class PluginMetrics:
             registry=self.registry,
         )
 
-    def serve(self, address: str, port: int) -> None:
-        start_http_server(port, address, registry=self.registry)
+    def serve(self, address: str, port: int, health: HealthCheck) -> http.server.ThreadingHTTPServer:
+        return serve_http(address, port, self.registry, health)
+
+
+class MounterMetrics:
+    """`pffs csi-mounter`'s own metrics. Its /metrics also carries every mount's metrics (pffs_cache_*,
+    pffs_backend_*, ...), each series labelled with the `volume` it serves."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.mounts = Gauge(
+            "pffs_csi_mounter_mounts", "pffs mount processes this mounter runs", registry=self.registry
+        )
+        self.mount_exits = Counter(
+            "pffs_csi_mounter_mount_exits",
+            "mount processes that ended, by how (clean, failed, killed)",
+            ["how"],
+            registry=self.registry,
+        )
+        self.scrape_failures = Counter(
+            "pffs_csi_mounter_scrape_failures",
+            "a mount's /metrics that did not answer when /metrics was asked",
+            registry=self.registry,
+        )
+
+
+def serve_http(
+    address: str, port: int, registry: CollectorRegistry, health: HealthCheck
+) -> http.server.ThreadingHTTPServer:
+    """/metrics (Prometheus text) and /healthz (200 "ok", or 503 and the reason: the liveness probe's
+    endpoint, so no livenessprobe sidecar is needed) on one port, from a daemon thread."""
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            path = self.path.split("?", 1)[0]
+            if path == "/metrics":
+                self._answer(200, generate_latest(registry), CONTENT_TYPE_LATEST)
+            elif path in ("/healthz", "/livez", "/readyz"):
+                problem = health()
+                if problem:
+                    log.warning("health check failed: %s", problem)
+                self._answer(503 if problem else 200, (problem or "ok").encode() + b"\n", "text/plain")
+            else:
+                self._answer(404, b"/metrics or /healthz\n", "text/plain")
+
+        def _answer(self, status: int, body: bytes, content_type: str) -> None:
+            self.send_response(status)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: object) -> None:
+            pass  # a scrape every 15 s per pod is not news
+
+    server = http.server.ThreadingHTTPServer((address, port), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, name=f"http-{port}", daemon=True).start()
+    return server

@@ -23,9 +23,6 @@ log = logging.getLogger(__name__)
 
 __all__ = ["is_mount_process"]  # the plugin's modules import it from here
 
-MS_RDONLY = 1
-MS_REMOUNT = 32
-MS_BIND = 4096
 MNT_DETACH = 2
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
@@ -37,16 +34,61 @@ def _check(result: int, what: str, path: str) -> None:
         raise OSError(code, f"{what} {path}: {os.strerror(code)}", path)
 
 
+# The new mount API (Linux 5.12+): a bind made read-only before it is attached, so every copy that mount
+# propagation makes of it (on the host, in each pod) is read-only too. A bind followed by a read-only
+# remount is read-only only where the remount ran: a remount's flags never propagate.
+SYS_OPEN_TREE = 428
+SYS_MOVE_MOUNT = 429
+SYS_MOUNT_SETATTR = 442
+OPEN_TREE_CLONE = 1
+OPEN_TREE_CLOEXEC = 0o2000000
+AT_FDCWD = -100
+AT_EMPTY_PATH = 0x1000
+MOVE_MOUNT_F_EMPTY_PATH = 0x4
+MOUNT_ATTR_RDONLY = 0x1
+MS_PRIVATE = 1 << 18
+
+
+class _MountAttr(ctypes.Structure):
+    _fields_ = [
+        ("attr_set", ctypes.c_uint64),
+        ("attr_clr", ctypes.c_uint64),
+        ("propagation", ctypes.c_uint64),
+        ("userns_fd", ctypes.c_uint64),
+    ]
+
+
 def bind_mount(source: str, target: str, read_only: bool) -> None:
-    """Binds `source` at `target` (read-only when asked: a bind is read-write until remounted)."""
-    _check(_libc.mount(source.encode(), target.encode(), None, MS_BIND, None), "bind mount on", target)
-    if read_only:
-        flags = MS_BIND | MS_REMOUNT | MS_RDONLY
-        result = _libc.mount(None, target.encode(), None, flags, None)
-        if result != 0:
-            code = ctypes.get_errno()
-            unmount(target, lazy=True)
-            raise OSError(code, f"read-only remount of {target}: {os.strerror(code)}", target)
+    """Binds `source` at `target`; read-only from the moment it appears, in every mount namespace it
+    propagates to."""
+    tree = _libc.syscall(SYS_OPEN_TREE, AT_FDCWD, source.encode(), OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC)
+    if tree < 0:
+        code = ctypes.get_errno()
+        raise OSError(code, f"bind mount of {source}: {os.strerror(code)}", source)
+    try:
+        # Private before it is attached: a clone would join its source's peer group (the kubelet dir's,
+        # for an anchor), and mounts on it would echo back through that group. Attached under a shared
+        # parent, it then gets a peer group of its own, which the pods' copies follow.
+        attr = _MountAttr(attr_set=MOUNT_ATTR_RDONLY if read_only else 0, propagation=MS_PRIVATE)
+        result = _libc.syscall(
+            SYS_MOUNT_SETATTR, tree, b"", AT_EMPTY_PATH, ctypes.byref(attr), ctypes.sizeof(attr)
+        )
+        _check(result, "bind mount on", target)
+        result = _libc.syscall(SYS_MOVE_MOUNT, tree, b"", AT_FDCWD, target.encode(), MOVE_MOUNT_F_EMPTY_PATH)
+        _check(result, "bind mount on", target)
+    finally:
+        os.close(tree)
+
+
+def is_read_only(path: str) -> bool:
+    """Whether the mount at `path` (the topmost) is read-only, from /proc/self/mountinfo."""
+    options = ""
+    with open("/proc/self/mountinfo") as table:
+        for line in table:
+            fields = line.split()
+            if _unescape(fields[4]) == path:
+                options = fields[5]  # the last line for a path is the topmost mount
+    return "ro" in options.split(",")
 
 
 def unmount(path: str, lazy: bool = False) -> bool:
@@ -115,3 +157,41 @@ def mount_pid(path: str) -> int | None:
         return int(os.getxattr(path, "user.pffs.pid"))
     except (OSError, ValueError):
         return None
+
+
+def shares_mounts_with_host(path: str) -> bool:
+    """Whether a mount made at `path` here reaches the host's mount namespace (and so the kubelet and the
+    pods): we are in the host's namespace, or the mount holding `path` is shared with it (a hostPath
+    volume with mountPropagation: Bidirectional). A plugin whose kubelet dir is not mounted at the host's
+    path would mount inside its own container, where no pod ever sees it."""
+    try:
+        if os.readlink("/proc/self/ns/mnt") == os.readlink("/proc/1/ns/mnt"):
+            return True
+    except OSError:
+        pass  # /proc/1 is not ours to read: judge by the mount
+    holder, shared = "", False
+    with open("/proc/self/mountinfo") as table:
+        for line in table:
+            fields = line.split()
+            point = _unescape(fields[4])
+            inside = path == point or path.startswith(point.rstrip("/") + "/")
+            if inside and len(point) >= len(holder):  # the deepest, and the topmost of equals
+                holder = point
+                optional = fields[6 : fields.index("-")]
+                shared = any(tag.startswith("shared:") for tag in optional)
+    return shared
+
+
+def mount_stack(path: str) -> list[str]:
+    """The file system types mounted at `path`, bottom first (mountinfo lists mounts in the order made)."""
+    stack = []
+    with open("/proc/self/mountinfo") as table:
+        for line in table:
+            fields = line.split()
+            if _unescape(fields[4]) == path:
+                stack.append(fields[fields.index("-") + 1])
+    return stack
+
+
+def is_fuse(fstype: str) -> bool:
+    return fstype == "fuse" or fstype.startswith("fuse.")

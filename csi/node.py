@@ -15,6 +15,7 @@ from pffs.csi.attributes import EPHEMERAL_KEY
 from pffs.csi.capabilities import check_capability
 from pffs.csi.metrics import PluginMetrics
 from pffs.csi.mounts import is_mount_process, mounted_paths
+from pffs.csi.pods import pod_of
 from pffs.csi.rpc import Abort, Code, check_path, check_volume_id, require, rpc
 from pffs.csi.state import Staged
 from pffs.csi.volumes import VolumeManager
@@ -79,7 +80,7 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
         with self.volumes.locks.hold(target_path):
             if context_map.get(EPHEMERAL_KEY) == "true":
                 self.volumes.publish_inline(
-                    volume_id, target_path, context_map, dict(request.secrets), read_only
+                    volume_id, target_path, context_map, dict(request.secrets), read_only, pod_of(context_map)
                 )
                 return csi_pb2.NodePublishVolumeResponse()
             if not request.staging_target_path:
@@ -89,7 +90,7 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
                 )
             staging_path = check_path(request.staging_target_path, "staging_target_path")
             with self.volumes.locks.hold(staging_path, wait_s=30):
-                self.volumes.publish(volume_id, staging_path, target_path, read_only)
+                self.volumes.publish(volume_id, staging_path, target_path, read_only, pod_of(context_map))
         return csi_pb2.NodePublishVolumeResponse()
 
     @rpc

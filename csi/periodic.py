@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 log = logging.getLogger(__name__)
@@ -26,6 +27,7 @@ class Periodic:
         self.first_delay_s = interval_s if first_delay_s is None else first_delay_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._last_round = time.monotonic()  # when the last round started (or the thread was made)
 
     def start(self) -> None:
         self._thread.start()
@@ -35,9 +37,16 @@ class Periodic:
         if self._thread.is_alive():
             self._thread.join(timeout=timeout_s)
 
+    def is_current(self, stale_s: float = 300.0) -> bool:
+        """Whether the thread runs and a round started within `stale_s` plus one interval (a round that
+        hangs, or a thread that died, is what a liveness probe should restart)."""
+        since = time.monotonic() - self._last_round
+        return self._thread.is_alive() and since < stale_s + max(self.interval_s, self.first_delay_s)
+
     def _run(self) -> None:
         delay = self.first_delay_s
         while not self._stop.wait(delay):
+            self._last_round = time.monotonic()
             try:
                 delay = self.work() or self.interval_s
             except Exception:

@@ -13,6 +13,7 @@ import concurrent.futures
 import functools
 import logging
 import os
+import re
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -131,7 +132,7 @@ def classify(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     if isinstance(exc, FileNotFoundError):
         return Code.NOT_FOUND, exc.strerror or str(exc)
     if isinstance(exc, PermissionError):
-        return Code.PERMISSION_DENIED, exc.strerror or str(exc)
+        return Code.PERMISSION_DENIED, with_secret_hint(exc.strerror or str(exc))
     if isinstance(exc, TimeoutError):
         return Code.DEADLINE_EXCEEDED, str(exc) or "timed out"
     if isinstance(exc, BackendUnavailableError):
@@ -143,6 +144,25 @@ def classify(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return Code.INTERNAL, detail
     log.exception("internal error")
     return Code.INTERNAL, f"internal error: {type(exc).__name__} (see the plugin's log)"
+
+
+# The backends' hints name what a shell user sets; a CSI volume's credentials come only from its Secret.
+_SHELL_HINTS = re.compile(
+    r"(: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY[^;]*|; check the credentials \(AWS_ACCESS_KEY_ID/"
+    r"AWS_SECRET_ACCESS_KEY, AWS_PROFILE or the credentials file\) and the bucket policy)"
+)
+SECRET_HINT = (
+    "check the volume's Secret (the PV's nodeStageSecretRef, the StorageClass's "
+    "csi.storage.k8s.io/node-stage-secret-name/-namespace, or an inline volume's nodePublishSecretRef): "
+    "keys accessKeyId and secretAccessKey (and sessionToken for temporary keys), and the bucket's policy"
+)
+
+
+def with_secret_hint(message: str) -> str:
+    """A credentials error's message with the hint a CSI user can act on."""
+    if not _SHELL_HINTS.search(message):
+        return message
+    return _SHELL_HINTS.sub("", message) + "; " + SECRET_HINT
 
 
 Handler = TypeVar("Handler", bound=Callable[..., Any])

@@ -21,10 +21,12 @@ from pffs.csi import csi_pb2_grpc
 from pffs.csi.controller import ControllerServicer
 from pffs.csi.identity import DRIVER_NAME, IdentityServicer
 from pffs.csi.metrics import PluginMetrics
+from pffs.csi.mount_runner import MountRunner
+from pffs.csi.mounter import MounterClient
 from pffs.csi.node import NodeServicer
 from pffs.csi.periodic import Periodic
 from pffs.csi.registration import KubeletRegistration
-from pffs.csi.volumes import NodeConfig, VolumeManager
+from pffs.csi.volumes import MountStarter, NodeConfig, VolumeManager
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +53,8 @@ class PluginOptions:
     kubelet_registration_dir: Path | None = None  # register with the kubelet here (no registrar sidecar)
     kubelet_registration_path: str | None = None  # the CSI socket as the kubelet sees it (default: ours)
     mount_metrics_ports: tuple[int, int] | None = None
+    kubelet_dir: Path | None = None  # the kubelet's root dir, at the same path as on the host
+    mounter: Path | None = None  # the socket of `pffs csi-mounter` (None: start mounts in this process)
 
 
 def grpc_address(endpoint: str) -> tuple[str, str | None]:
@@ -109,6 +113,7 @@ class Plugin:
         self.supervisor: Periodic | None = None
         self.reporter: Any = None
         self.registration: KubeletRegistration | None = None
+        self.runner: MountRunner | None = None
         self.server = grpc.server(concurrent.futures.ThreadPoolExecutor(16, thread_name_prefix="csi-rpc"))
         serve_node = options.mode in ("node", "all")
         serve_controller = options.mode in ("controller", "all")
@@ -133,10 +138,16 @@ class Plugin:
             cache=options.cache,
             zone=zone,
             tor=tor,
-            mount_metrics_ports=options.mount_metrics_ports,
-            metrics_address=options.metrics_address,
+            kubelet_dir=options.kubelet_dir,
         )
-        self.volumes = VolumeManager(config, self.metrics)
+        starter: MountStarter
+        if options.mounter is not None:
+            starter = MounterClient(options.mounter)
+        else:
+            self.runner = MountRunner(options.mount_metrics_ports)
+            self.metrics.registry.register(self.runner.collector())
+            starter = self.runner
+        self.volumes = VolumeManager(config, self.metrics, starter, api)
         self.volumes.adopt()
         csi_pb2_grpc.add_NodeServicer_to_server(NodeServicer(self.volumes, self.metrics), self.server)
         # Checks every mount and repairs the dead ones.
@@ -146,7 +157,7 @@ class Plugin:
                 DRIVER_NAME,
                 options.kubelet_registration_path or self.socket_path or self.address,
             )
-        self.supervisor = Periodic("supervisor", self.volumes.check, options.check_interval_s)
+        self.supervisor = Periodic("supervisor", self._supervise, options.check_interval_s)
         if api is not None:
             from pffs.csi.cache_report import CacheReporter, NodeAnnotation
 
@@ -159,6 +170,19 @@ class Plugin:
                 f"Node {options.node_id}",
             )
 
+    def _supervise(self) -> None:
+        if self.runner is not None:
+            self.runner.reap()
+        assert self.volumes is not None
+        self.volumes.check()
+
+    def health(self) -> str | None:
+        """/healthz: None while the plugin serves (its gRPC server runs and, on a node, its supervisor
+        has checked the mounts lately), else why not."""
+        if self.supervisor is not None and not self.supervisor.is_current():
+            return "the mount supervisor has not run lately"
+        return None
+
     def start(self) -> None:
         if self.socket_path:
             Path(self.socket_path).parent.mkdir(parents=True, exist_ok=True)
@@ -168,7 +192,7 @@ class Plugin:
             raise OSError(98, f"cannot listen on {self.options.endpoint}")
         self.server.start()
         if self.options.metrics_port:
-            self.metrics.serve(self.options.metrics_address, self.options.metrics_port)
+            self.metrics.serve(self.options.metrics_address, self.options.metrics_port, self.health)
         if self.registration:
             self.registration.start()  # after the CSI socket answers: the kubelet calls it at once
         if self.supervisor:
@@ -195,6 +219,8 @@ class Plugin:
             self.reporter.stop()
         if self.volumes:
             self.volumes.close()
+        if self.runner:
+            self.runner.close()
         if self.socket_path and os.path.exists(self.socket_path):
             os.unlink(self.socket_path)
         log.info("stopped; %d volume mount(s) left running", self._staged_count())

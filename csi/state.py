@@ -17,6 +17,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field, ValidationError
 
+from pffs.csi.pods import PodRef
+
 log = logging.getLogger(__name__)
 
 
@@ -25,6 +27,7 @@ class Target(BaseModel):
 
     volume_id: str
     read_only: bool = False
+    pod: PodRef | None = None  # who uses it (from the kubelet's pod info), for Events
 
 
 class Staged(BaseModel):
@@ -37,7 +40,6 @@ class Staged(BaseModel):
     read_only: bool = False
     inline_key: str | None = None  # set for the shared mount of inline volumes
     pid: int | None = None  # the mount process
-    metrics_port: int | None = None  # the mount's own /metrics, if the plugin gives mounts one
     targets: dict[str, Target] = Field(default_factory=dict)
 
 

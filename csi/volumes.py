@@ -13,9 +13,9 @@ import hashlib
 import logging
 import os
 import shutil
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from pffs.backends.urls import open_backend
 from pffs.config import CacheSettings, parse_size
@@ -30,19 +30,24 @@ from pffs.csi.attributes import (
     parse_credentials,
 )
 from pffs.csi.metrics import PluginMetrics
+from pffs.csi.mounter import MounterUnavailable
 from pffs.csi.mounts import (
     bind_mount,
+    is_fuse,
     is_mount_process,
     mount_pid,
+    mount_stack,
     mounted_paths,
+    shares_mounts_with_host,
     stop_mount_process,
     unmount_all,
 )
-from pffs.csi.rpc import Abort, Code, KeyedLocks, with_deadline
+from pffs.csi.pods import PodRef, Pods
+from pffs.csi.rpc import Abort, Code, KeyedLocks, with_deadline, with_secret_hint
 from pffs.csi.state import NodeState, Staged, Target, path_key
 from pffs.fuse import mount_record
-from pffs.fuse.ending import describe_exit_code
-from pffs.fuse.launch import MountStartError, start_mount_process
+from pffs.fuse.launch import MountStartError
+from pffs.fuse.options import MountOptions
 from pffs.vfs import shared_block_cache
 
 log = logging.getLogger(__name__)
@@ -59,17 +64,27 @@ class NodeConfig:
     unmount_timeout_s: float = 60.0
     preflight_timeout_s: float = 30.0
     mount_verbosity: int = 1  # never 2 (debug) for CSI mounts: botocore's debug log prints signed headers
-    mount_metrics_ports: tuple[int, int] | None = None  # each mount's own /metrics, on a port of this range
-    metrics_address: str = "127.0.0.1"
+    kubelet_dir: Path | None = None  # the kubelet's root dir (the same path here as on the host)
+
+
+class MountStarter(Protocol):
+    """Starts a mount process and returns its pid once it serves: a MountRunner in this process, or the
+    MounterClient of `pffs csi-mounter` (mounts that outlive this plugin's container)."""
+
+    def start(self, options: MountOptions, volume: str, ready_timeout_s: float) -> int: ...
 
 
 class VolumeManager:
-    def __init__(self, config: NodeConfig, metrics: PluginMetrics) -> None:
+    def __init__(
+        self, config: NodeConfig, metrics: PluginMetrics, starter: MountStarter, api: object | None = None
+    ) -> None:
         self.config = config
         self.metrics = metrics
+        self.starter = starter
+        self.pods = Pods(api, config.node_id)
+        self._told_down: set[int | None] = set()
         self.state = NodeState(config.state_dir)
         self.locks = KeyedLocks()
-        self._children: dict[int, subprocess.Popen[bytes]] = {}
         self._preflight = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="preflight")
         self._update_gauges()
 
@@ -103,6 +118,7 @@ class VolumeManager:
             if not self.is_alive(existing):
                 self.repair(existing)
             return existing
+        self.check_visible(staging_path, "staging_target_path")
         self._check_cache_request(attributes, staging_path)
         self._preflight_source(attributes, credentials)
         staged = Staged(
@@ -152,7 +168,35 @@ class VolumeManager:
 
     # Publishing: bind mounts into pods
 
-    def publish(self, volume_id: str, staging_path: str, target_path: str, read_only: bool) -> None:
+    def check_visible(self, path: str, field: str) -> None:
+        """FAILED_PRECONDITION unless a mount made at `path` reaches the host, the kubelet and the pods."""
+        kubelet_dir = self.config.kubelet_dir
+        if kubelet_dir is None:
+            return  # a plugin on the host, beside the kubelet (tests): nothing to judge by
+        if not (path + "/").startswith(str(kubelet_dir).rstrip("/") + "/"):
+            raise Abort(
+                Code.FAILED_PRECONDITION,
+                f"{field} {path} is outside the plugin's --kubelet-dir {kubelet_dir}: set the Helm value "
+                "node.kubeletPath to the kubelet's --root-dir (it is mounted at the same path on the host "
+                "and in the plugin)",
+            )
+        if not shares_mounts_with_host(path):
+            raise Abort(
+                Code.FAILED_PRECONDITION,
+                f"{field} {path} is not on a mount this plugin shares with the host: a mount there would "
+                "stay inside the plugin's container. Mount the kubelet's root dir into the node plugin and "
+                "the mounter at the host's path with mountPropagation: Bidirectional (Helm value "
+                "node.kubeletPath)",
+            )
+
+    def publish(
+        self,
+        volume_id: str,
+        staging_path: str,
+        target_path: str,
+        read_only: bool,
+        pod: PodRef | None = None,
+    ) -> None:
         with self.state.lock:
             staged = self.state.records.staged.get(staging_path)
             owner = self.state.find_target(target_path)
@@ -161,7 +205,13 @@ class VolumeManager:
                 Code.FAILED_PRECONDITION,
                 f"volume {volume_id} is not staged at {staging_path} (NodeStageVolume first)",
             )
+        if owner is None:
+            self.check_visible(target_path, "target_path")
         read_only = read_only or staged.read_only
+        if not read_only and owner is None and self.pods.mounts_read_only(pod, target_path):
+            read_only = True  # every container mounts it readOnly: so is the host's bind, from the start
+        elif owner is not None:
+            read_only = read_only or owner.targets[target_path].read_only
         if owner is not None:
             existing = owner.targets[target_path]
             if owner is not staged or existing.volume_id != volume_id or existing.read_only != read_only:
@@ -169,7 +219,8 @@ class VolumeManager:
                     Code.ALREADY_EXISTS,
                     f"{target_path} is already published with another volume or read-only flag",
                 )
-            if target_path not in mounted_paths():
+            stack = mount_stack(target_path)
+            if not (stack and is_fuse(stack[-1])):
                 bind_mount(staging_path, target_path, read_only)
             return
         if not self.is_alive(staged):
@@ -179,7 +230,7 @@ class VolumeManager:
             raise Abort(Code.ALREADY_EXISTS, f"something else is mounted at {target_path}")
         bind_mount(staging_path, target_path, read_only)
         with self.state.lock:
-            staged.targets[target_path] = Target(volume_id=volume_id, read_only=read_only)
+            staged.targets[target_path] = Target(volume_id=volume_id, read_only=read_only, pod=pod)
             self.state.save()
         self._update_gauges()
 
@@ -190,6 +241,7 @@ class VolumeManager:
         context: dict[str, str],
         secrets: dict[str, str],
         read_only: bool,
+        pod: PodRef | None = None,
     ) -> None:
         """An inline (ephemeral) volume: the CO publishes without staging. Pods naming the same source with
         the same attributes and credentials share one mount, made here on the first and kept until the
@@ -201,7 +253,7 @@ class VolumeManager:
             with self.state.lock:
                 staged = self.state.find_inline(key)
             if staged is None:
-                staging_path = str(self.config.state_dir / "inline" / key / "mount")
+                staging_path = str(self.inline_dir() / key / "mount")
                 with self.locks.hold(staging_path):
                     staged = self.stage(
                         volume_id,
@@ -213,7 +265,7 @@ class VolumeManager:
                         inline_key=key,
                     )
             with self.locks.hold(staged.staging_path, wait_s=30):
-                self.publish(volume_id, staged.staging_path, target_path, read_only)
+                self.publish(volume_id, staged.staging_path, target_path, read_only, pod)
 
     def unpublish(self, volume_id: str, target_path: str) -> None:
         with self.state.lock:
@@ -245,6 +297,13 @@ class VolumeManager:
                     with self.locks.hold(staged.staging_path, wait_s=30):
                         self.unstage(staged.staging_path)
 
+    def inline_dir(self) -> Path:
+        """Where inline volumes' shared mounts live: under the kubelet dir (mounted into the plugin and the
+        mounter with Bidirectional propagation, so the mounter's mount reaches the plugin that binds it)."""
+        if self.config.kubelet_dir is not None:
+            return self.config.kubelet_dir / "plugins" / "csi.pffs.io" / "inline"
+        return self.config.state_dir / "inline"
+
     # Health and repair
 
     def is_alive(self, staged: Staged) -> bool:
@@ -260,14 +319,7 @@ class VolumeManager:
         return f"{cause or 'no last word recorded'}; its log: {log_file}"
 
     def check(self) -> None:
-        """One round of the supervisor: reap finished children, repair dead mounts, re-bind targets that
-        lost their bind."""
-        for pid, child in list(self._children.items()):
-            code = child.poll()
-            if code is not None:
-                del self._children[pid]
-                if code != 0:
-                    log.warning("mount supervisor %d exited %d: %s", pid, code, describe_exit_code(code))
+        """One round of the supervisor: repair dead mounts, re-bind targets that lost their bind."""
         with self.state.lock:
             volumes = list(self.state.records.staged.values())
         for staged in volumes:
@@ -305,24 +357,47 @@ class VolumeManager:
     def repair(self, staged: Staged) -> None:
         """Mounts a dead volume again at its staging path and binds every target again. The pods' bind
         mounts pointed at the dead mount; with HostToContainer propagation they see the new ones."""
+        ended = self.how_it_ended(staged)
         log.warning(
             "the mount of %s at %s is dead (pid %s: %s); mounting it again",
             staged.attributes.get("source"),
             staged.staging_path,
             staged.pid,
-            self.how_it_ended(staged),
+            ended,
         )
         try:
             self._mount_again(staged)
-        except Exception:
+        except Exception as exc:
             self.metrics.recovery_failures.inc()
+            if staged.pid not in self._told_down:  # once per dead mount, not once per retry
+                self._told_down.add(staged.pid)
+                self._tell_pods(
+                    staged,
+                    "Warning",
+                    "PffsMountDown",
+                    f"the pffs mount died ({ended}) and could not be mounted again yet ({exc}); retrying",
+                )
             raise
         self.metrics.recoveries.inc()
+        self._tell_pods(
+            staged,
+            "Warning",
+            "PffsMountRepaired",
+            f"the pffs mount of {staged.attributes.get('source')} died ({ended}) and was mounted again; "
+            "files opened before then fail with ENOTCONN and must be opened again",
+        )
+
+    def _tell_pods(self, staged: Staged, kind: str, reason: str, message: str) -> None:
+        for target in staged.targets.values():
+            if target.pod is not None:
+                self.pods.post_event(target.pod, kind, reason, message)
 
     def _mount_again(self, staged: Staged) -> None:
-        """The pods' targets keep their dead binds: the new mount is bound on top of each. A container
-        sees its volume as a slave copy of the target's mount, which receives mounts made on top of it
-        (HostToContainer) but never a mount made anew after the target was unmounted."""
+        """The new mount is bound over each target's dead one: a container's /data is a slave copy of the
+        target's top mount, which receives mounts made on top of it and nothing else (not its unmount,
+        nor a mount made anew after it), so a live mount reaches a running pod only on top of the dead
+        one. With `pffs csi-mounter`, this happens only when the mounter's pod ends; restarts of the
+        plugin leave the mounts be."""
         if staged.pid and is_mount_process(staged.pid):
             stop_mount_process(staged.pid, staged.staging_path, timeout_s=5)
         unmount_all(staged.staging_path)
@@ -334,10 +409,9 @@ class VolumeManager:
             staged.pid = pid
             self.state.save()
         for target, info in staged.targets.items():
-            # No makedirs here: a dead bind answers ENOTCONN, which makedirs takes for "not a folder".
-            bind_mount(staged.staging_path, target, info.read_only)  # over the dead bind, if any
+            bind_mount(staged.staging_path, target, info.read_only)
         log.info(
-            "mounted %s again at %s (pid %d) and bound it over %d target(s)",
+            "mounted %s again at %s (pid %d) and bound it into %d target(s)",
             staged.attributes.get("source"),
             staged.staging_path,
             pid,
@@ -345,17 +419,15 @@ class VolumeManager:
         )
 
     def _rebind_lost_targets(self, staged: Staged) -> None:
-        mounted = mounted_paths()
         for target, info in staged.targets.items():
-            if target not in mounted and os.path.isdir(target):
+            stack = mount_stack(target)
+            if not (stack and is_fuse(stack[-1])) and os.path.isdir(target):
                 log.warning("target %s lost its bind mount; binding it again", target)
                 bind_mount(staged.staging_path, target, info.read_only)
 
     # Mount processes
 
     def _start_mount(self, staged: Staged, attributes: VolumeAttributes, credentials: Credentials) -> int:
-        if self.config.mount_metrics_ports and staged.metrics_port is None:
-            staged.metrics_port = self._free_metrics_port()
         options = mount_options(
             attributes,
             credentials,
@@ -365,27 +437,13 @@ class VolumeManager:
             self.log_file(staged.staging_path),
             self.config.mount_verbosity,
         )
-        if staged.metrics_port is not None:
-            options = options.model_copy(
-                update={"metrics_port": staged.metrics_port, "metrics_address": self.config.metrics_address}
-            )
         try:
-            process = start_mount_process(options, self.config.mount_ready_timeout_s)
+            return self.starter.start(options, staged.volume_id, self.config.mount_ready_timeout_s)
         except MountStartError as exc:
             code = Code.INVALID_ARGUMENT if exc.exit_code == 2 else Code.INTERNAL
-            raise Abort(code, f"could not mount {attributes.source}: {exc}") from None
-        self._children[process.pid] = process.popen
-        return process.pid
-
-    def _free_metrics_port(self) -> int | None:
-        assert self.config.mount_metrics_ports is not None
-        first, last = self.config.mount_metrics_ports
-        with self.state.lock:
-            taken = {s.metrics_port for s in self.state.records.staged.values()}
-        free = [port for port in range(first, last + 1) if port not in taken]
-        if not free:
-            log.warning("no port left in %d-%d for a mount's /metrics; this mount serves none", first, last)
-        return free[0] if free else None
+            raise Abort(code, with_secret_hint(f"could not mount {attributes.source}: {exc}")) from None
+        except MounterUnavailable as exc:
+            raise Abort(Code.UNAVAILABLE, str(exc)) from None
 
     def cache_settings_for(self, staging_path: str, attributes: VolumeAttributes) -> CacheSettings:
         """The node's shared cache, or the volume's own (under the node's cache dir) when it asks for a
@@ -455,6 +513,7 @@ class VolumeManager:
     def close(self) -> None:
         """Stops supervising; the mounts keep running (the next plugin process adopts them)."""
         self._preflight.shutdown(wait=False, cancel_futures=True)
+        self.pods.close()
         with self.state.lock:
             self.state.save()
 

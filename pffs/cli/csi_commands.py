@@ -82,9 +82,79 @@ def add_parsers(sub: Any, verbosity: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--mount-metrics-ports",
         metavar="FIRST-LAST",
-        help="give each volume's mount its own Prometheus /metrics on a port of this range (e.g. 9820-9899)",
+        help="mounts started by this process (no --mounter) serve /metrics on ports of this range, which "
+        "--metrics-port serves again with a `volume` label (e.g. 9820-9899)",
     )
+    p.add_argument(
+        "--kubelet-dir",
+        type=Path,
+        help="the kubelet's root dir, mounted here at the host's path with Bidirectional propagation: "
+        "staging and target paths must be under it, inline volumes' mounts go there "
+        "(e.g. /var/lib/kubelet)",
+    )
+    p.add_argument(
+        "--mounter",
+        metavar="unix:///PATH",
+        help="start mounts through `pffs csi-mounter` on this socket, so they outlive this process's "
+        "container (the node DaemonSet's default); without it, mounts run in this container",
+    )
+    _log_format_option(p)
     p.set_defaults(run=run)
+
+    m = sub.add_parser(
+        "csi-mounter",
+        parents=[verbosity],
+        help="run the node's CSI mount processes (for `pffs csi --mounter`)",
+        description=MOUNTER_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="example:\n  pffs csi-mounter --socket /var/lib/pffs-csi/mounter.sock --metrics-port 9811",
+    )
+    m.add_argument(
+        "--socket",
+        type=Path,
+        default=Path("/var/lib/pffs-csi/mounter.sock"),
+        help="the unix socket the node plugin asks on (default /var/lib/pffs-csi/mounter.sock; 0600)",
+    )
+    m.add_argument(
+        "--metrics-port", type=int, help="serve /metrics (every mount's, with a volume label) and /healthz"
+    )
+    m.add_argument("--metrics-address", default="127.0.0.1", help="address of /metrics (default 127.0.0.1)")
+    m.add_argument(
+        "--mount-metrics-ports",
+        metavar="FIRST-LAST",
+        default="19820-19899",
+        help="loopback ports the mounts serve their own /metrics on, for --metrics-port to gather "
+        "(default 19820-19899)",
+    )
+    _log_format_option(m)
+    m.set_defaults(run=run_mounter)
+
+
+MOUNTER_HELP = """\
+Runs the pffs mount processes of a node's CSI volumes, in a pod of their own (the DaemonSet
+pffs-csi-mounter, updated only OnDelete), so that restarting, upgrading or rolling back the node plugin
+never ends a mount: files pods hold open keep working through it. The node plugin (pffs csi --mounter)
+asks it on a unix socket to start each mount; everything else (records, binds into pods, repairs) stays
+with the plugin. Stopping the mounter (SIGTERM) stops every mount it runs, after their pending uploads.
+"""
+
+
+def _log_format_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--log-format",
+        choices=("text", "json"),
+        default="text",
+        help="text lines, or one JSON object per line for log collectors (default text)",
+    )
+
+
+def run_mounter(args: argparse.Namespace) -> int:
+    from pffs.csi.mounter import serve_mounter
+
+    if not args.socket.is_absolute():
+        raise UsageError(f"--socket {args.socket}: give an absolute path")
+    ports = _port_range(args.mount_metrics_ports, "--mount-metrics-ports")
+    return serve_mounter(args.socket, args.metrics_address, args.metrics_port, ports)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -106,7 +176,12 @@ def run(args: argparse.Namespace) -> int:
         cache = CacheSettings(**values)
     except ValidationError as exc:
         raise BadOptionError(settings_error(exc).replace("_", "-")) from None
-    ports = _port_range(args.mount_metrics_ports) if args.mount_metrics_ports else None
+    ports = None
+    if args.mount_metrics_ports:
+        ports = _port_range(args.mount_metrics_ports, "--mount-metrics-ports")
+    mounter = _unix_socket(args.mounter, "--mounter") if args.mounter else None
+    if args.kubelet_dir is not None and not args.kubelet_dir.is_absolute():
+        raise UsageError(f"--kubelet-dir {args.kubelet_dir}: give an absolute path, e.g. /var/lib/kubelet")
     options = PluginOptions(
         endpoint=endpoint,
         node_id=node_id,
@@ -124,6 +199,8 @@ def run(args: argparse.Namespace) -> int:
         mount_metrics_ports=ports,
         kubelet_registration_dir=args.kubelet_registration_dir,
         kubelet_registration_path=args.kubelet_registration_path,
+        kubelet_dir=args.kubelet_dir,
+        mounter=mounter,
     )
     try:
         from pffs.csi.server import Plugin  # noqa: F401  (import errors surface here, before serving)
@@ -135,12 +212,19 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from None
 
 
-def _port_range(text: str) -> tuple[int, int]:
+def _port_range(text: str, option: str) -> tuple[int, int]:
     first, _, last = text.partition("-")
     try:
         low, high = int(first), int(last or first)
     except ValueError:
-        raise UsageError(f"--mount-metrics-ports {text!r}: use FIRST-LAST, e.g. 9820-9899") from None
+        raise UsageError(f"{option} {text!r}: use FIRST-LAST, e.g. 9820-9899") from None
     if not (1 <= low <= high <= 65535):
-        raise UsageError(f"--mount-metrics-ports {text!r}: ports between 1 and 65535, first <= last")
+        raise UsageError(f"{option} {text!r}: ports between 1 and 65535, first <= last")
     return low, high
+
+
+def _unix_socket(text: str, option: str) -> Path:
+    path = text.removeprefix("unix://") if text.startswith("unix://") else text.removeprefix("unix:")
+    if not path.startswith("/"):
+        raise UsageError(f"{option} {text!r}: use unix:///absolute/path.sock")
+    return Path(path)

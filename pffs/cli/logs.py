@@ -2,14 +2,35 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
 
-def configure_logging(verbosity: int, log_file: Path | None = None) -> None:
-    """-v info, -vv debug (with the S3 libraries' own logs); to stderr, or to log_file with timestamps."""
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line (time, level, logger, message), for log collectors."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {
+            "time": self.formatTime(record, "%Y-%m-%dT%H:%M:%S"),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return json.dumps(entry)
+
+
+def configure_logging(verbosity: int, log_file: Path | None = None, log_format: str = "text") -> None:
+    """-v info, -vv debug (with the S3 libraries' own logs); to stderr, or to log_file with timestamps;
+    `log_format` "json" writes one JSON object per line to stderr."""
     level = logging.DEBUG if verbosity > 1 else logging.INFO if verbosity == 1 else logging.WARNING
-    if log_file is None:
+    if log_file is None and log_format == "json":
+        handler = logging.StreamHandler()
+        handler.setFormatter(JsonFormatter())
+        logging.basicConfig(level=level, handlers=[handler], force=True)
+    elif log_file is None:
         logging.basicConfig(level=level, format="pffs: %(levelname)s: %(message)s", force=True)
     else:
         log_file.parent.mkdir(parents=True, exist_ok=True)

@@ -116,7 +116,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not getattr(args, "command", None):
         parser.print_help(sys.stderr)
         return EXIT_USAGE
-    configure_logging(getattr(args, "verbose", 0) or 0)
+    configure_logging(getattr(args, "verbose", 0) or 0, log_format=getattr(args, "log_format", "text"))
     return run_reporting_errors(lambda: args.run(args))
 
 

@@ -59,13 +59,27 @@ def missing_binaries() -> list[str]:
     return missing
 
 
+WORKLOAD_CONTROLLERS = (
+    ",daemonset-controller,deployment-controller,replicaset-controller,"
+    "root-ca-certificate-publisher-controller"
+)
+
+
 class KubeControlPlane:
     def __init__(
-        self, workdir: Path, scheduler_config: Path | None = None, start_scheduler: bool = True
+        self,
+        workdir: Path,
+        scheduler_config: Path | None = None,
+        start_scheduler: bool = True,
+        workloads: bool = False,
     ) -> None:
+        """`workloads`: also run the DaemonSet, Deployment and ReplicaSet controllers, publish the root CA
+        to every namespace and admit pods with ServiceAccount tokens, as a cluster that runs operators'
+        manifests (`kubectl apply -k deploy/csi`) does."""
         self.workdir = workdir
         self.scheduler_config = scheduler_config
         self.start_scheduler = start_scheduler
+        self.workloads = workloads
         self.bin = kube_bin_dir()
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
         self.token = secrets.token_hex(16)
@@ -149,8 +163,7 @@ class KubeControlPlane:
                 "--authorization-mode",
                 "Node,RBAC",
                 "--allow-privileged",
-                "--disable-admission-plugins",
-                "ServiceAccount",
+                *([] if self.workloads else ["--disable-admission-plugins", "ServiceAccount"]),
             ],
         )
         self._wait_ready()
@@ -169,7 +182,8 @@ class KubeControlPlane:
                 "--controllers",
                 "persistentvolume-binder-controller,persistentvolume-protection-controller,"
                 "persistentvolumeclaim-protection-controller,serviceaccount-token-controller,"
-                "serviceaccount-controller,garbage-collector-controller,namespace-controller",
+                "serviceaccount-controller,garbage-collector-controller,namespace-controller"
+                + (WORKLOAD_CONTROLLERS if self.workloads else ""),
                 "--service-account-private-key-file",
                 str(self.workdir / "sa.key"),
                 "--root-ca-file",

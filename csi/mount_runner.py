@@ -1,0 +1,222 @@
+"""Runs the node's mount processes: starts each (pffs.fuse.launch), gives it a metrics port nobody else
+holds, reaps it when it ends, copies its log lines to this process's stderr with the volume named (so
+`kubectl logs` shows them), and serves every mount's metrics through one /metrics with a `volume` label.
+
+The node plugin runs one itself when it starts mounts in its own container (tests, a plugin on the host);
+`pffs csi-mounter` runs one in a pod of its own, so that mounts outlive restarts of the plugin (mounter.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import subprocess
+import sys
+import threading
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.registry import Collector
+
+from pffs.csi.metrics import MounterMetrics
+from pffs.fuse.ending import describe_exit_code
+from pffs.fuse.launch import start_mount_process
+from pffs.fuse.options import MountOptions
+
+log = logging.getLogger(__name__)
+
+SCRAPE_TIMEOUT_S = 2.0
+LOG_POLL_S = 0.5
+
+
+@dataclass
+class RunningMount:
+    volume: str
+    pid: int
+    popen: subprocess.Popen[bytes]
+    metrics_port: int | None
+    log_file: Path
+
+
+class MountRunner:
+    def __init__(self, metrics_ports: tuple[int, int] | None, metrics: MounterMetrics | None = None) -> None:
+        self.metrics_ports = metrics_ports
+        self.metrics = metrics or MounterMetrics()
+        self._lock = threading.Lock()
+        self._running: dict[int, RunningMount] = {}  # by the serving process's pid
+        self._reserved: set[int] = set()  # ports of mounts being started
+        self._relay = LogRelay()
+
+    def start(self, options: MountOptions, volume: str, ready_timeout_s: float) -> int:
+        """Starts a mount of `options` and waits until it serves; its pid. Raises MountStartError."""
+        port = self._reserve_port()
+        try:
+            if port is not None:
+                options = options.model_copy(update={"metrics_port": port, "metrics_address": "127.0.0.1"})
+            assert options.log_file is not None
+            self._relay.follow(options.log_file, volume)
+            try:
+                process = start_mount_process(options, ready_timeout_s)
+            except BaseException:
+                self._relay.forget(options.log_file)
+                raise
+            with self._lock:
+                self._running[process.pid] = RunningMount(
+                    volume, process.pid, process.popen, port, options.log_file
+                )
+                self.metrics.mounts.set(len(self._running))
+            return process.pid
+        finally:
+            with self._lock:
+                if port is not None:
+                    self._reserved.discard(port)
+
+    def _reserve_port(self) -> int | None:
+        """A port of the range that no running or starting mount holds and that binds now: two volumes
+        staged at once never get the same one."""
+        if self.metrics_ports is None:
+            return None
+        first, last = self.metrics_ports
+        with self._lock:
+            taken = self._reserved | {m.metrics_port for m in self._running.values() if m.metrics_port}
+            for port in range(first, last + 1):
+                if port not in taken and _can_bind(port):
+                    self._reserved.add(port)
+                    return port
+        log.warning("no port left in %d-%d for a mount's /metrics; this mount serves none", first, last)
+        return None
+
+    def reap(self) -> list[tuple[RunningMount, int]]:
+        """The mounts whose supervisor exited since the last call, with its exit status."""
+        ended = []
+        with self._lock:
+            for pid, mount in list(self._running.items()):
+                code = mount.popen.poll()
+                if code is not None:
+                    del self._running[pid]
+                    ended.append((mount, code))
+            self.metrics.mounts.set(len(self._running))
+        for mount, code in ended:
+            how = "clean" if code == 0 else "killed" if code < 0 or code >= 128 else "failed"
+            self.metrics.mount_exits.labels(how).inc()
+            self._relay.forget(mount.log_file, drain=True)
+            if code != 0:
+                log.warning(
+                    "mount of volume %s (pid %d) exited %d: %s",
+                    mount.volume,
+                    mount.pid,
+                    code,
+                    describe_exit_code(code),
+                )
+        return ended
+
+    def running(self) -> list[RunningMount]:
+        with self._lock:
+            return list(self._running.values())
+
+    def collector(self) -> Collector:
+        return MountsCollector(self)
+
+    def close(self) -> None:
+        self._relay.stop()
+
+
+def _can_bind(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+class MountsCollector(Collector):
+    """Every running mount's /metrics, each series with the label `volume` added; a mount that does not
+    answer within SCRAPE_TIMEOUT_S is left out of this scrape (and counted)."""
+
+    def __init__(self, runner: MountRunner) -> None:
+        self.runner = runner
+
+    def collect(self) -> Iterator[Any]:
+        merged: dict[str, Any] = {}
+        for mount in self.runner.running():
+            if mount.metrics_port is None:
+                continue
+            try:
+                url = f"http://127.0.0.1:{mount.metrics_port}/metrics"
+                with urllib.request.urlopen(url, timeout=SCRAPE_TIMEOUT_S) as answer:
+                    text = answer.read().decode()
+            except OSError:
+                self.runner.metrics.scrape_failures.inc()
+                continue
+            for family in text_string_to_metric_families(text):
+                if family.name.startswith(("python_", "process_", "platform_")):
+                    continue  # the mount process's own runtime figures: not per volume
+                into = merged.get(family.name)
+                if into is None:
+                    into = merged[family.name] = type(family)(
+                        family.name, family.documentation, family.type, family.unit
+                    )
+                for sample in family.samples:
+                    labels = {**sample.labels, "volume": mount.volume}
+                    into.add_sample(sample.name, labels, sample.value, sample.timestamp)
+        yield from merged.values()
+
+
+class LogRelay:
+    """Copies the lines mount processes append to their log files onto this process's stderr, each line
+    prefixed with the volume, from a thread that looks every LOG_POLL_S."""
+
+    def __init__(self) -> None:
+        self._files: dict[Path, tuple[str, int]] = {}  # log file → (volume, offset read to)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="mount-logs", daemon=True)
+        self._thread.start()
+
+    def follow(self, log_file: Path, volume: str) -> None:
+        try:
+            offset = log_file.stat().st_size  # what earlier mounts of the volume wrote was shown then
+        except FileNotFoundError:
+            offset = 0
+        with self._lock:
+            self._files[log_file] = (volume, offset)
+
+    def forget(self, log_file: Path, drain: bool = False) -> None:
+        if drain:
+            self._copy(log_file)  # the last words of a mount that ended
+        with self._lock:
+            self._files.pop(log_file, None)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.wait(LOG_POLL_S):
+            with self._lock:
+                files = list(self._files)
+            for log_file in files:
+                self._copy(log_file)
+
+    def _copy(self, log_file: Path) -> None:
+        with self._lock:
+            if log_file not in self._files:
+                return
+            volume, offset = self._files[log_file]
+            try:
+                with open(log_file, "rb") as source:
+                    source.seek(offset)
+                    data = source.read(1 << 20)
+            except FileNotFoundError:
+                return
+            end = data.rfind(b"\n") + 1  # whole lines only; the rest next time
+            if not end:
+                return
+            self._files[log_file] = (volume, offset + end)
+        for line in data[:end].decode(errors="replace").splitlines():
+            sys.stderr.write(f"mount[volume={volume}] {line}\n")
+        sys.stderr.flush()
