@@ -70,3 +70,13 @@ bash scripts/build_kube.sh
 bash scripts/build_csi_provisioner.sh
 # Hadoop's MiniDFSCluster (a real HDFS on loopback) for the HDFS tests and bench.
 bash scripts/build_hdfs.sh
+
+# The CSI image without Docker (scripts/build_image.sh, tests/test_csi_image.py): mmdebstrap builds its
+# Debian base, cached in ~/.cache/pffs-tools/images by a hash of deploy/image and constraints.txt (minutes
+# the first time and after a recipe change; nothing otherwise). Tests add this checkout's pffs on top.
+if ! command -v mmdebstrap >/dev/null; then
+    echo "setup: installing mmdebstrap"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends mmdebstrap >/dev/null
+fi
+bash scripts/build_image.sh base

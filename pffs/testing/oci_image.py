@@ -8,6 +8,9 @@ library from Debian's busybox-static (a root filesystem of /bin/busybox and a sy
 Everything is written deterministically (fixed times and owners), so the same busybox gives the same digests.
 
 `python -m pffs.testing.oci_image ARCHIVE` writes the archive by hand.
+
+`write_layered_images` writes images of several layers each (tar files on disk, of any size), and
+`pack_directory` makes a layer of a root filesystem: pffs.testing.csi_image builds the CSI image with them.
 """
 
 from __future__ import annotations
@@ -15,12 +18,15 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import os
 import platform
 import shutil
+import stat
 import struct
 import subprocess
 import sys
 import tarfile
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -198,6 +204,163 @@ def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
     info = _info(name, tarfile.REGTYPE, 0o644)
     info.size = len(data)
     tar.addfile(info, io.BytesIO(data))
+
+
+@dataclass(frozen=True)
+class Layer:
+    """An uncompressed layer tar in a file: its digest is also its diff_id."""
+
+    path: Path
+    digest: str  # sha256:...
+    size: int
+
+    @classmethod
+    def of_file(cls, path: Path) -> Layer:
+        digest = hashlib.sha256()
+        with path.open("rb") as f:
+            while chunk := f.read(1 << 20):
+                digest.update(chunk)
+        return cls(path, "sha256:" + digest.hexdigest(), path.stat().st_size)
+
+
+@dataclass
+class LayeredImage:
+    """An image of `layers` (lowest first) known by each of `names` (one manifest, several tags)."""
+
+    names: list[str]
+    layers: list[Layer]
+    entrypoint: list[str] = field(default_factory=list)
+    cmd: list[str] = field(default_factory=list)
+    env: list[str] = field(default_factory=lambda: [PATH_ENV])
+    working_dir: str = "/"
+
+
+def write_layered_images(archive: Path, images: Sequence[LayeredImage]) -> Path:
+    """An OCI image-layout tar at `archive` holding `images`, written to a temporary name and renamed, so a
+    reader never finds half an archive. Layers shared by images are stored once."""
+    blobs: dict[str, bytes] = {}
+    layer_files: dict[str, Layer] = {}
+
+    def blob(media_type: str, data: bytes, **extra: Any) -> dict[str, Any]:
+        digest = "sha256:" + hashlib.sha256(data).hexdigest()
+        blobs[digest] = data
+        return {"mediaType": media_type, "digest": digest, "size": len(data), **extra}
+
+    arch = oci_architecture()
+    manifests = []
+    for image in images:
+        for layer in image.layers:
+            layer_files[layer.digest] = layer
+        config = {
+            "created": "2023-11-14T22:13:20Z",
+            "architecture": arch,
+            "os": "linux",
+            "config": {
+                "Env": image.env,
+                "Entrypoint": image.entrypoint,
+                "Cmd": image.cmd,
+                "WorkingDir": image.working_dir,
+            },
+            "rootfs": {"type": "layers", "diff_ids": [layer.digest for layer in image.layers]},
+            "history": [
+                {"created": "2023-11-14T22:13:20Z", "created_by": "pffs.testing.oci_image"}
+                for _ in image.layers
+            ],
+        }
+        manifest = {
+            "schemaVersion": 2,
+            "mediaType": MANIFEST_TYPE,
+            "config": blob(CONFIG_TYPE, _json(config)),
+            "layers": [
+                {"mediaType": LAYER_TYPE, "digest": layer.digest, "size": layer.size}
+                for layer in image.layers
+            ],
+        }
+        manifest_descriptor = blob(MANIFEST_TYPE, _json(manifest))
+        for name in image.names:
+            tag = name.rsplit(":", 1)[1] if ":" in name.rsplit("/", 1)[-1] else "latest"
+            annotations = {"io.containerd.image.name": name, "org.opencontainers.image.ref.name": tag}
+            manifests.append(
+                {
+                    **manifest_descriptor,
+                    "annotations": annotations,
+                    "platform": {"architecture": arch, "os": "linux"},
+                }
+            )
+    index = {"schemaVersion": 2, "mediaType": INDEX_TYPE, "manifests": manifests}
+    archive.parent.mkdir(parents=True, exist_ok=True)
+    partial = archive.with_name(f".{archive.name}.{os.getpid()}.partial")
+    try:
+        with tarfile.open(partial, "w", format=tarfile.PAX_FORMAT) as tar:
+            _add(tar, "oci-layout", _json({"imageLayoutVersion": "1.0.0"}))
+            _add(tar, "index.json", _json(index))
+            for digest in sorted({*blobs, *layer_files}):
+                name = "blobs/sha256/" + digest.split(":", 1)[1]
+                if digest in blobs:
+                    _add(tar, name, blobs[digest])
+                    continue
+                layer = layer_files[digest]
+                info = _info(name, tarfile.REGTYPE, 0o644)
+                info.size = layer.size
+                with layer.path.open("rb") as f:
+                    tar.addfile(info, f)
+        partial.rename(archive)
+    finally:
+        partial.unlink(missing_ok=True)
+    return archive
+
+
+def pack_directory(root: Path, layer: Path, empty: Sequence[str] = ("dev", "proc", "sys")) -> Layer:
+    """A layer tar at `layer` of the tree at `root`: entries sorted, owners numeric, times and modes as on
+    disk (Debian's .pyc files are checked against their sources' times), hard links kept as links; the
+    folders named in `empty` are kept without their content (device nodes belong to the runtime). Sockets and
+    FIFOs are left out."""
+    seen: dict[tuple[int, int], str] = {}
+    with tarfile.open(layer, "w", format=tarfile.PAX_FORMAT) as tar:
+        for directory, subdirs, files in os.walk(root):
+            relative = os.path.relpath(directory, root)
+            if relative in empty:
+                subdirs.clear()
+                files = []
+            subdirs.sort()
+            names = sorted(files + [d for d in subdirs if os.path.islink(os.path.join(directory, d))])
+            if relative != ".":
+                tar.addfile(_stat_info(Path(directory), relative, seen))
+            for name in names:
+                path = Path(directory, name)
+                info = _stat_info(path, os.path.join(relative, name) if relative != "." else name, seen)
+                if info.isreg():
+                    with path.open("rb") as f:
+                        tar.addfile(info, f)
+                elif info.type in (tarfile.DIRTYPE, tarfile.SYMTYPE, tarfile.LNKTYPE):
+                    tar.addfile(info)
+            subdirs[:] = [d for d in subdirs if not os.path.islink(os.path.join(directory, d))]
+    return Layer.of_file(layer)
+
+
+def _stat_info(path: Path, name: str, seen: dict[tuple[int, int], str]) -> tarfile.TarInfo:
+    st = path.lstat()
+    info = tarfile.TarInfo(name)
+    info.mode = stat.S_IMODE(st.st_mode)
+    info.mtime = int(st.st_mtime)
+    info.uid, info.gid = st.st_uid, st.st_gid
+    if stat.S_ISDIR(st.st_mode):
+        info.type = tarfile.DIRTYPE
+    elif stat.S_ISLNK(st.st_mode):
+        info.type = tarfile.SYMTYPE
+        info.linkname = os.readlink(path)
+    elif stat.S_ISREG(st.st_mode):
+        key = (st.st_dev, st.st_ino)
+        if st.st_nlink > 1 and key in seen:
+            info.type = tarfile.LNKTYPE
+            info.linkname = seen[key]
+        else:
+            seen[key] = name
+            info.type = tarfile.REGTYPE
+            info.size = st.st_size
+    else:
+        info.type = tarfile.FIFOTYPE  # left out by the caller: not a regular file, folder or link
+    return info
 
 
 def main() -> None:
