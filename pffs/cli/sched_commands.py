@@ -21,7 +21,7 @@ expected-fragmentation idea, measured as the GPUs a node strands when filled wit
 
 
 def add_parsers(sub: Any, verbosity: argparse.ArgumentParser) -> None:
-    from pffs.scheduler.replay.policies import POLICIES
+    from pffs.scheduler.replay import POLICY_NAMES
 
     # No cache or backend options here: a replay touches neither.
     sched = sub.add_parser(
@@ -45,7 +45,9 @@ def add_parsers(sub: Any, verbosity: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--pods", required=True, help="pod list CSV (name,cpu_milli,memory_mib,num_gpu,gpu_milli[,gpu_spec])"
     )
-    p.add_argument("--policy", default="pffs", choices=list(POLICIES), help="placement policy (default pffs)")
+    p.add_argument(
+        "--policy", default="pffs", choices=list(POLICY_NAMES), help="placement policy (default pffs)"
+    )
     p.add_argument(
         "--seed", type=int, action="append", help="replay seed; repeat for several (default 42)", dest="seeds"
     )

@@ -32,6 +32,7 @@ from pffs.scheduler.core.fragmentation import (
     contested_tie_break,
     score_points,
 )
+from pffs.scheduler.replay import POLICY_NAMES
 from pffs.scheduler.replay.go_rand import GoRand
 from pffs.scheduler.replay.model import MILLI, Cluster, IntArray, Pod, PodList
 
@@ -386,6 +387,7 @@ POLICIES: dict[str, PolicyFactory] = {
     "fgd": lambda cluster, trace, rng: FgdPolicy(cluster, TypicalShapes.from_pods(trace, cluster)),
     "pffs": lambda cluster, trace, rng: _pffs(cluster, trace),
 }
+assert tuple(POLICIES) == POLICY_NAMES, "pffs/scheduler/replay/__init__.py names other policies"
 
 
 def make_policy(name: str, cluster: Cluster, trace: PodList, rng: GoRand) -> Policy:
