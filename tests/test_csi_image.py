@@ -26,11 +26,13 @@ from pffs.testing.csi_image import (
     missing_image_tools,
     pffs_entries,
 )
+from pffs.testing.oci_image import normalized_name
 
 pytestmark = pytest.mark.timeout(1800)  # a cold build of the base takes minutes
 
 MAX_IMAGE_BYTES = 250 * 1000 * 1000
 HEAVY = ("pyarrow", "torch", "numpy")
+
 
 class Archive:
     """An OCI image-layout archive, read: its index, and each manifest's config and layers."""
@@ -77,7 +79,7 @@ def archives() -> tuple[Archive, Archive]:
 @pytest.fixture(scope="module")
 def csi_root(archives: tuple[Archive, Archive], tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("csi-image") / "root"
-    archives[0].unpack(CSI_IMAGE, root)
+    archives[0].unpack(normalized_name(CSI_IMAGE), root)
     return root
 
 
@@ -99,10 +101,12 @@ def test_the_archive_holds_both_tags_of_one_image_with_the_dockerfiles_settings(
 ) -> None:
     csi, provisioner = archives
     names = csi.names()
-    assert set(names) == {CSI_IMAGE, CSI_IMAGE_NEXT}
-    assert names[CSI_IMAGE] == names[CSI_IMAGE_NEXT]
-    config = csi.config(CSI_IMAGE)["config"]
-    assert config["Entrypoint"] == ["/usr/bin/tini", "--", "pffs"]
+    # Named as the CRI looks them up (pffs/csi:TAG is docker.io/pffs/csi:TAG to it).
+    full, full_next = normalized_name(CSI_IMAGE), normalized_name(CSI_IMAGE_NEXT)
+    assert set(names) == {full, full_next}
+    assert names[full] == names[full_next]
+    config = csi.config(full)["config"]
+    assert config["Entrypoint"] == ["/usr/bin/tini", "-s", "--", "pffs"]
     assert config["Cmd"] == ["--help"]
     assert config["Env"][0].startswith("PATH=/opt/pffs/bin:")
     assert "PYTHONDONTWRITEBYTECODE=1" in config["Env"]
@@ -114,7 +118,7 @@ def test_the_image_is_at_most_250_MB_without_pyarrow_numpy_or_torch(
     archives: tuple[Archive, Archive],
 ) -> None:
     csi = archives[0]
-    layers = csi.manifest(CSI_IMAGE)["layers"]
+    layers = csi.manifest(normalized_name(CSI_IMAGE))["layers"]
     total = sum(layer["size"] for layer in layers)  # uncompressed layers: their sizes are what unpacks
     assert total <= MAX_IMAGE_BYTES, f"the image is {total / 1e6:.1f} MB"
     found: set[str] = set()

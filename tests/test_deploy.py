@@ -552,7 +552,7 @@ def assert_args_follow_the_image_entrypoint(objects: list[dict[str, Any]]) -> No
     entrypoint = next(
         line for line in (DEPLOY / "Dockerfile").read_text().splitlines() if line.startswith("ENTRYPOINT")
     )
-    assert json.loads(entrypoint.removeprefix("ENTRYPOINT")) == ["/usr/bin/tini", "--", "pffs"]
+    assert json.loads(entrypoint.removeprefix("ENTRYPOINT")) == ["/usr/bin/tini", "-s", "--", "pffs"]
     commands = {
         ("DaemonSet", "pffs-csi-node"): ["csi", "--mode", "node"],
         ("DaemonSet", "pffs-csi-mounter"): ["csi-mounter"],
@@ -632,14 +632,17 @@ def rules_of(objects: list[dict[str, Any]], service_account: str) -> set[tuple[s
 
 
 def assert_node_rbac(objects: list[dict[str, Any]]) -> None:
-    """The plugin: its Node (topology labels, cache report) and Events on the pods whose mount died or was
-    repaired. The mounter: nothing, not even a token."""
+    """The plugin: its Node (topology labels, cache report), Events on the pods whose mount died or was
+    repaired, and the pod (and claim) a volume is published for, read-only (whether every container mounts
+    it readOnly). The mounter: nothing, not even a token."""
     node = one(objects, "DaemonSet", "pffs-csi-node")["spec"]["template"]["spec"]
     assert rules_of(objects, node["serviceAccountName"]) == {
         ("", "nodes", "get"),
         ("", "nodes", "patch"),
         ("", "events", "create"),
         ("", "events", "patch"),
+        ("", "pods", "get"),
+        ("", "persistentvolumeclaims", "get"),
     }
     mounter = one(objects, "DaemonSet", "pffs-csi-mounter")["spec"]["template"]["spec"]
     account = mounter["serviceAccountName"]

@@ -43,6 +43,7 @@ from pathlib import Path
 from pffs.testing.oci_image import MTIME, Layer, LayeredImage, pack_directory, write_layered_images
 
 CSI_IMAGE = "pffs/csi:0.1.0"
+ARCHIVE_FORMAT = 2  # 2: names in the index as the CRI looks them up (oci_image.normalized_name)
 # The same image under a second tag: tests roll the plugin over to it to play an upgrade to a new tag.
 CSI_IMAGE_NEXT = "pffs/csi:0.1.0-next"
 PROVISIONER_VERSION = "v6.3.0"  # scripts/build_csi_provisioner.sh
@@ -380,7 +381,9 @@ def csi_image_archives(out_dir: Path | None = None, repo: Path = REPO, log: bool
     try:
         pffs = pffs_layer(repo, base.site_packages, work / "pffs-layer.tar")
         settings = dockerfile_settings(repo / "deploy" / "Dockerfile")
-        csi = out_dir / f"pffs-csi-{base.layer.digest[7:19]}-{pffs.digest[7:19]}.tar"
+        # Named by everything in it: the layers, and the config and names the index carries.
+        config = hashlib.sha256(repr((settings, CSI_IMAGE, CSI_IMAGE_NEXT, ARCHIVE_FORMAT)).encode())
+        csi = out_dir / f"pffs-csi-{base.layer.digest[7:19]}-{pffs.digest[7:19]}-{config.hexdigest()[:8]}.tar"
         if not csi.exists():
             image = LayeredImage(
                 [CSI_IMAGE, CSI_IMAGE_NEXT],

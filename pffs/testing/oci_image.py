@@ -52,6 +52,16 @@ class Image:
     cmd: list[str] = field(default_factory=lambda: ["/bin/sh"])
 
 
+def normalized_name(name: str) -> str:
+    """The full reference the CRI looks an image up by: `pffs/csi:0.1.0` is docker.io/pffs/csi:0.1.0 to it
+    (a first component with no dot, colon or `localhost` is not a registry host), and `busybox` is
+    docker.io/library/busybox."""
+    first, _, rest = name.partition("/")
+    if rest and ("." in first or ":" in first or first == "localhost"):
+        return name
+    return f"docker.io/{name}" if rest else f"docker.io/library/{name}"
+
+
 DEFAULT_IMAGES = (
     Image(BUSYBOX_IMAGE),
     Image(PAUSE_IMAGE, entrypoint=["/bin/sleep"], cmd=["2147483647"]),
@@ -279,7 +289,10 @@ def write_layered_images(archive: Path, images: Sequence[LayeredImage]) -> Path:
         manifest_descriptor = blob(MANIFEST_TYPE, _json(manifest))
         for name in image.names:
             tag = name.rsplit(":", 1)[1] if ":" in name.rsplit("/", 1)[-1] else "latest"
-            annotations = {"io.containerd.image.name": name, "org.opencontainers.image.ref.name": tag}
+            annotations = {
+                "io.containerd.image.name": normalized_name(name),
+                "org.opencontainers.image.ref.name": tag,
+            }
             manifests.append(
                 {
                     **manifest_descriptor,
