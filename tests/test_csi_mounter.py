@@ -273,3 +273,61 @@ def test_mounts_run_in_the_mounter_outlive_the_plugin_and_are_swapped_under_a_po
             if str(short) in line.split()[4]:
                 unmount_all(line.split()[4])
         subprocess.run(["rm", "-rf", str(short)], check=False)
+
+
+def test_a_path_the_host_would_not_see_fails_with_failed_precondition_naming_the_setting(
+    tmp_path: Path,
+) -> None:
+    """The plugin's kubelet dir not shared with the host (or a path outside it): NodeStageVolume and
+    NodePublishVolume refuse, naming node.kubeletPath, instead of mounting where no pod would see it."""
+    import grpc
+
+    kubelet = tmp_path / "kubelet"  # a plain folder: not a mount shared with the host
+    kubelet.mkdir()
+    short = Path(tempfile.mkdtemp(prefix="pffs-precondition-", dir="/run"))
+    capability = csi_pb2.VolumeCapability(
+        mount=csi_pb2.VolumeCapability.MountVolume(),
+        access_mode=AccessMode(mode=AccessMode.MULTI_NODE_READER_ONLY),
+    )
+    try:
+        with CsiPlugin(
+            short, "--kubelet-dir", str(kubelet), "--mounter", f"unix://{short}/none.sock"
+        ) as plugin:
+            for staging, words in (
+                (kubelet / "plugins/kubernetes.io/csi/pffs/v/globalmount", "not on a mount"),
+                (tmp_path / "elsewhere/globalmount", "outside the plugin's --kubelet-dir"),
+            ):
+                with pytest.raises(grpc.RpcError) as caught:
+                    plugin.node.NodeStageVolume(
+                        csi_pb2.NodeStageVolumeRequest(
+                            volume_id="v",
+                            staging_target_path=str(staging),
+                            volume_capability=capability,
+                            volume_context={"source": "s3://bucket/set"},
+                        ),
+                        timeout=30,
+                    )
+                assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+                assert words in caught.value.details() and "node.kubeletPath" in caught.value.details()
+                assert not staging.exists() or not os.listdir(staging)
+    finally:
+        subprocess.run(["rm", "-rf", str(short)], check=False)
+
+
+def test_a_credentials_error_names_the_volumes_secret_and_its_keys() -> None:
+    from pffs.csi.rpc import with_secret_hint
+
+    shell = (
+        "s3://b/p: access denied (Forbidden); check the credentials (AWS_ACCESS_KEY_ID/"
+        "AWS_SECRET_ACCESS_KEY, AWS_PROFILE or the credentials file) and the bucket policy"
+    )
+    hinted = with_secret_hint(shell)
+    assert "AWS_" not in hinted and hinted.startswith(
+        "s3://b/p: access denied (Forbidden); check the volume's Secret"
+    )
+    assert "accessKeyId" in hinted and "secretAccessKey" in hinted and "nodeStageSecretRef" in hinted
+    missing = (
+        "s3://b/p: no usable S3 credentials (x): set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_PROFILE"
+    )
+    assert "AWS_" not in with_secret_hint(missing + " or a credentials file; --anonymous for a public bucket")
+    assert with_secret_hint("s3://b/p: no such file or object") == "s3://b/p: no such file or object"
