@@ -331,3 +331,23 @@ def test_a_credentials_error_names_the_volumes_secret_and_its_keys() -> None:
     )
     assert "AWS_" not in with_secret_hint(missing + " or a credentials file; --anonymous for a public bucket")
     assert with_secret_hint("s3://b/p: no such file or object") == "s3://b/p: no such file or object"
+
+
+def test_mounts_started_at_once_never_share_a_metrics_port_nor_take_one_in_use() -> None:
+    """Two volumes staged 150 ms apart once got one port (the second mount then failed to start): the
+    runner reserves each port until its mount runs, and skips ports another process holds."""
+    import socket
+
+    from pffs.csi.mount_runner import MountRunner
+
+    first = free_ports(1)[0]
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", first + 1))  # someone else's
+        runner = MountRunner((first, first + 4))
+        try:
+            reserved = [runner._reserve_port() for _ in range(4)]
+        finally:
+            runner.close()
+    given = [port for port in reserved if port is not None]
+    assert len(given) >= 3 and len(set(given)) == len(given), reserved  # distinct, each held till started
+    assert first + 1 not in given and all(first <= port <= first + 4 for port in given)
