@@ -146,10 +146,15 @@ def serve_mounter(
     metrics = MounterMetrics()
     runner = MountRunner(mount_metrics_ports, metrics)
     server = MounterServer(socket_path, runner)
-    threading.Thread(target=server.serve_forever, name="mounter", daemon=True).start()
+    serving = threading.Thread(target=server.serve_forever, name="mounter", daemon=True)
+    serving.start()
     if metrics_port:
         metrics.registry.register(runner.collector())
-        serve_http(metrics_address, metrics_port, metrics.registry, lambda: None)
+
+        def health() -> str | None:
+            return None if serving.is_alive() else f"the mounter no longer answers on {socket_path}"
+
+        serve_http(metrics_address, metrics_port, metrics.registry, health)
     stopping = threading.Event()
 
     def on_signal(signum: int, frame: Any) -> None:
