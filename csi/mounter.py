@@ -11,8 +11,8 @@ The protocol is one JSON line each way per connection:
     {"op": "start", "volume": ID, "options": {...}, "ready_timeout_s": 60}
         → {"pid": N} or {"error": WHY, "exit_code": N}
     {"op": "ping"} → {"ok": true}
-The socket is 0600 in a root-only folder: the options carry the volume's credentials, as the mount
-process's stdin pipe does.
+The socket is 0600 (root's only): the options carry the volume's credentials, as the mount process's stdin
+pipe does.
 """
 
 from __future__ import annotations
@@ -109,8 +109,7 @@ class MounterServer(socketserver.ThreadingUnixStreamServer):
 
     def __init__(self, socket_path: Path, runner: MountRunner) -> None:
         self.runner = runner
-        socket_path.parent.mkdir(parents=True, exist_ok=True)
-        os.chmod(socket_path.parent, 0o700)
+        socket_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         if socket_path.exists() or socket_path.is_symlink():
             socket_path.unlink()  # a mounter that was killed leaves its socket
         old_umask = os.umask(0o177)
