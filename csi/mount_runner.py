@@ -36,10 +36,12 @@ LOG_POLL_S = 0.5
 @dataclass
 class RunningMount:
     volume: str
+    mountpoint: str
     pid: int
     popen: subprocess.Popen[bytes]
     metrics_port: int | None
     log_file: Path
+    followed: Followed
 
 
 class MountRunner:
@@ -58,15 +60,21 @@ class MountRunner:
             if port is not None:
                 options = options.model_copy(update={"metrics_port": port, "metrics_address": "127.0.0.1"})
             assert options.log_file is not None
-            self._relay.follow(options.log_file, volume)
+            followed = self._relay.follow(options.log_file, volume)
             try:
                 process = start_mount_process(options, ready_timeout_s)
             except BaseException:
-                self._relay.forget(options.log_file)
+                self._relay.forget(options.log_file, followed)
                 raise
             with self._lock:
                 self._running[process.pid] = RunningMount(
-                    volume, process.pid, process.popen, port, options.log_file
+                    volume,
+                    str(options.mountpoint),
+                    process.pid,
+                    process.popen,
+                    port,
+                    options.log_file,
+                    followed,
                 )
                 self.metrics.mounts.set(len(self._running))
             return process.pid
@@ -103,7 +111,7 @@ class MountRunner:
         for mount, code in ended:
             how = "clean" if code == 0 else "killed" if code < 0 or code >= 128 else "failed"
             self.metrics.mount_exits.labels(how).inc()
-            self._relay.forget(mount.log_file, drain=True)
+            self._relay.forget(mount.log_file, mount.followed, drain=True)
             if code != 0:
                 log.warning(
                     "mount of volume %s (pid %d) exited %d: %s",
@@ -147,24 +155,40 @@ class MountsCollector(Collector):
             if mount.metrics_port is None:
                 continue
             try:
-                url = f"http://127.0.0.1:{mount.metrics_port}/metrics"
-                with urllib.request.urlopen(url, timeout=SCRAPE_TIMEOUT_S) as answer:
-                    text = answer.read().decode()
-            except OSError:
+                families = _scrape(mount.metrics_port)
+            except Exception:  # refused, timed out, cut short or garbled: this mount sits this scrape out
                 self.runner.metrics.scrape_failures.inc()
                 continue
-            for family in text_string_to_metric_families(text):
-                if family.name.startswith(("python_", "process_", "platform_")):
-                    continue  # the mount process's own runtime figures: not per volume
+            for family in families:
                 into = merged.get(family.name)
                 if into is None:
                     into = merged[family.name] = type(family)(
                         family.name, family.documentation, family.type, family.unit
                     )
                 for sample in family.samples:
-                    labels = {**sample.labels, "volume": mount.volume}
+                    labels = {**sample.labels, "volume": mount.volume}  # no mount series has its own
                     into.add_sample(sample.name, labels, sample.value, sample.timestamp)
         yield from merged.values()
+
+
+def _scrape(port: int) -> list[Any]:
+    """A mount's metric families, but for its process's own runtime figures (not per volume)."""
+    url = f"http://127.0.0.1:{port}/metrics"
+    with urllib.request.urlopen(url, timeout=SCRAPE_TIMEOUT_S) as answer:
+        text = answer.read().decode()
+    return [
+        family
+        for family in text_string_to_metric_families(text)
+        if not family.name.startswith(("python_", "process_", "platform_"))
+    ]
+
+
+@dataclass
+class Followed:
+    """One mount's log being copied: which volume, and how far it has been read."""
+
+    volume: str
+    offset: int
 
 
 class LogRelay:
@@ -172,25 +196,30 @@ class LogRelay:
     prefixed with the volume, from a thread that looks every LOG_POLL_S."""
 
     def __init__(self) -> None:
-        self._files: dict[Path, tuple[str, int]] = {}  # log file → (volume, offset read to)
+        self._files: dict[Path, Followed] = {}  # log file → the mount now writing it
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="mount-logs", daemon=True)
         self._thread.start()
 
-    def follow(self, log_file: Path, volume: str) -> None:
+    def follow(self, log_file: Path, volume: str) -> Followed:
         try:
             offset = log_file.stat().st_size  # what earlier mounts of the volume wrote was shown then
-        except FileNotFoundError:
+        except OSError:
             offset = 0
+        followed = Followed(volume, offset)
         with self._lock:
-            self._files[log_file] = (volume, offset)
+            self._files[log_file] = followed
+        return followed
 
-    def forget(self, log_file: Path, drain: bool = False) -> None:
+    def forget(self, log_file: Path, followed: Followed, drain: bool = False) -> None:
+        """Stops copying `log_file` for the mount `followed` (not for a newer mount of the same volume,
+        which writes the same file)."""
         if drain:
             self._copy(log_file)  # the last words of a mount that ended
         with self._lock:
-            self._files.pop(log_file, None)
+            if self._files.get(log_file) is followed:
+                del self._files[log_file]
 
     def stop(self) -> None:
         self._stop.set()
@@ -204,19 +233,21 @@ class LogRelay:
 
     def _copy(self, log_file: Path) -> None:
         with self._lock:
-            if log_file not in self._files:
+            followed = self._files.get(log_file)
+            if followed is None:
                 return
-            volume, offset = self._files[log_file]
             try:
                 with open(log_file, "rb") as source:
-                    source.seek(offset)
+                    source.seek(followed.offset)
                     data = source.read(1 << 20)
-            except FileNotFoundError:
-                return
+            except OSError:
+                return  # gone, or unreadable this time: the next round tries again
             end = data.rfind(b"\n") + 1  # whole lines only; the rest next time
+            if not end and len(data) == 1 << 20:
+                end = len(data)  # a line longer than the read: pass it on in pieces
             if not end:
                 return
-            self._files[log_file] = (volume, offset + end)
+            followed.offset += end
         for line in data[:end].decode(errors="replace").splitlines():
-            sys.stderr.write(f"mount[volume={volume}] {line}\n")
+            sys.stderr.write(f"mount[volume={followed.volume}] {line}\n")
         sys.stderr.flush()

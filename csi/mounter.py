@@ -28,6 +28,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
 from pffs.csi.metrics import MounterMetrics, serve_http
 from pffs.csi.mount_runner import MountRunner
 from pffs.fuse.launch import MountStartError, options_with_credentials
@@ -36,11 +38,20 @@ from pffs.fuse.options import MountOptions
 log = logging.getLogger(__name__)
 
 REQUEST_LIMIT = 1 << 20
+TOO_OLD = (
+    "this node's pffs mounter is older than the node plugin and does not know the option(s) {}: delete "
+    "the pffs-csi-mounter pod on this node (after draining it) to update it"
+)
 CONNECT_TIMEOUT_S = 5.0
 
 
 class MounterUnavailable(Exception):
     """The mounter did not answer: its pod is not running (yet) on this node."""
+
+
+class MounterTooOld(Exception):
+    """The mounter runs an older pffs than the plugin (it is updated only when its pod is deleted) and does
+    not know an option the volume uses."""
 
 
 class MounterClient:
@@ -53,13 +64,15 @@ class MounterClient:
         request = {
             "op": "start",
             "volume": volume,
-            "options": json.loads(options_with_credentials(options)),
+            "options": json.loads(options_with_credentials(options, without_defaults=True)),
             "ready_timeout_s": ready_timeout_s,
         }
         answer = self._call(request, ready_timeout_s + 10)
         if "pid" in answer:
             return int(answer["pid"])
         reason = str(answer.get("error", "the mounter gave no reason"))
+        if answer.get("too_old"):
+            raise MounterTooOld(reason)
         raise MountStartError(reason, int(answer.get("exit_code", 1)))
 
     def ping(self) -> bool:
@@ -85,7 +98,10 @@ class MounterClient:
             raise MounterUnavailable(f"the pffs mounter at {self.socket_path} failed: {exc}") from None
         if not reply:
             raise MounterUnavailable(f"the pffs mounter at {self.socket_path} closed without an answer")
-        answer = json.loads(reply)
+        try:
+            answer = json.loads(reply)
+        except ValueError:
+            answer = None
         if not isinstance(answer, dict):
             raise MounterUnavailable(f"the pffs mounter at {self.socket_path} answered {reply[:80]!r}")
         return answer
@@ -95,13 +111,30 @@ class _Handler(socketserver.StreamRequestHandler):
     server: MounterServer
 
     def handle(self) -> None:
-        line = self.rfile.readline(REQUEST_LIMIT)
+        self.connection.settimeout(CONNECT_TIMEOUT_S)  # for the request; a start then takes its own time
         try:
-            request = json.loads(line)
+            request = json.loads(self.rfile.readline(REQUEST_LIMIT))
+            if not isinstance(request, dict):
+                raise ValueError("not a JSON object")
+            self.connection.settimeout(None)
             answer = self.server.answer(request)
+        except ValidationError as exc:
+            unknown = sorted(
+                {".".join(map(str, e["loc"])) for e in exc.errors() if e["type"] == "extra_forbidden"}
+            )
+            if unknown:
+                answer = {"error": TOO_OLD.format(", ".join(unknown)), "exit_code": 2, "too_old": True}
+            else:
+                answer = {"error": f"bad request: {exc.error_count()} invalid option(s)", "exit_code": 2}
         except (ValueError, TypeError, KeyError) as exc:
-            answer = {"error": f"bad request: {exc}", "exit_code": 2}
-        self.wfile.write(json.dumps(answer).encode() + b"\n")
+            answer = {"error": f"bad request: {type(exc).__name__}", "exit_code": 2}
+        except Exception as exc:
+            log.exception("could not answer a request")
+            answer = {"error": f"the mounter failed: {exc}", "exit_code": 1}
+        try:
+            self.wfile.write(json.dumps(answer).encode() + b"\n")
+        except OSError:  # the plugin went away (restarted mid-call): its retry finds the mount (answer())
+            log.warning("the plugin did not wait for the answer %s", answer)
 
 
 class MounterServer(socketserver.ThreadingUnixStreamServer):
@@ -110,7 +143,7 @@ class MounterServer(socketserver.ThreadingUnixStreamServer):
     def __init__(self, socket_path: Path, runner: MountRunner) -> None:
         self.runner = runner
         socket_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        if socket_path.exists() or socket_path.is_symlink():
+        if socket_path.is_socket():
             socket_path.unlink()  # a mounter that was killed leaves its socket
         old_umask = os.umask(0o177)
         try:
@@ -126,6 +159,9 @@ class MounterServer(socketserver.ThreadingUnixStreamServer):
             return {"error": f"unknown op {op!r}", "exit_code": 2}
         options = MountOptions.model_validate(request["options"])
         volume = str(request["volume"])
+        for mount in self.runner.running():
+            if mount.mountpoint == str(options.mountpoint) and mount.popen.poll() is None:
+                return {"pid": mount.pid}  # started for a caller that did not wait for the answer
         try:
             pid = self.runner.start(options, volume, float(request.get("ready_timeout_s", 60)))
         except MountStartError as exc:
@@ -166,6 +202,8 @@ def serve_mounter(
     while not stopping.wait(1.0):
         runner.reap()
     server.shutdown()
+    server.server_close()  # callers now get "refused" at once, not a call that waits for nothing
+    socket_path.unlink(missing_ok=True)
     for mount in runner.running():
         with contextlib.suppress(ProcessLookupError):
             os.kill(mount.pid, signal.SIGTERM)

@@ -184,14 +184,22 @@ def shares_mounts_with_host(path: str) -> bool:
 
 def mount_stack(path: str) -> list[str]:
     """The file system types mounted at `path`, bottom first (mountinfo lists mounts in the order made)."""
-    stack = []
+    return [fstype for fstype, _ in _mounts_at(path)]
+
+
+def shows_mount_of(target: str, source: str) -> bool:
+    """Whether the top mount at `target` is of the same file system as the top mount at `source` (each
+    FUSE connection is a device of its own: a dead pffs mount under a target is not the live one)."""
+    at_target, at_source = _mounts_at(target), _mounts_at(source)
+    return bool(at_target and at_source) and at_target[-1][1] == at_source[-1][1]
+
+
+def _mounts_at(path: str) -> list[tuple[str, str]]:
+    """(file system type, device major:minor) of each mount at `path`, bottom first."""
+    found = []
     with open("/proc/self/mountinfo") as table:
         for line in table:
             fields = line.split()
             if _unescape(fields[4]) == path:
-                stack.append(fields[fields.index("-") + 1])
-    return stack
-
-
-def is_fuse(fstype: str) -> bool:
-    return fstype == "fuse" or fstype.startswith("fuse.")
+                found.append((fields[fields.index("-") + 1], fields[2]))
+    return found

@@ -58,7 +58,8 @@ class Pods:
         try:
             spec = self.api.read_namespaced_pod(pod.name, pod.namespace, _request_timeout=API_TIMEOUT_S).spec
             volumes = {v.name: v for v in spec.volumes or []}
-            if name not in volumes:  # a PV's name: find the pod's volume whose claim is bound to it
+            if volumes.get(name) is None or volumes[name].csi is None:  # a PV's name: find its claim's volume
+                name = ""
                 for volume in volumes.values():
                     claim = volume.persistent_volume_claim
                     if claim is None:
@@ -66,7 +67,7 @@ class Pods:
                     pvc = self.api.read_namespaced_persistent_volume_claim(
                         claim.claim_name, pod.namespace, _request_timeout=API_TIMEOUT_S
                     )
-                    if pvc.spec.volume_name == name:
+                    if pvc.spec.volume_name == volume_name_of(target_path):
                         name = volume.name
                         break
             containers = [*(spec.init_containers or []), *(spec.containers or [])]
@@ -80,7 +81,10 @@ class Pods:
         """An Event on the pod, sent in the background (an API server that does not answer must not hold
         a repair)."""
         if self.api is not None:
-            self._events.submit(self._post, pod, kind, reason, message)
+            try:
+                self._events.submit(self._post, pod, kind, reason, message)
+            except RuntimeError:  # closed: the plugin is stopping
+                log.info("not posting Event %s on pod %s/%s: stopping", reason, pod.namespace, pod.name)
 
     def _post(self, pod: PodRef, kind: str, reason: str, message: str) -> None:
         from kubernetes import client

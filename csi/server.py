@@ -179,7 +179,8 @@ class Plugin:
     def health(self) -> str | None:
         """/healthz: None while the plugin serves (its gRPC server runs and, on a node, its supervisor
         has checked the mounts lately), else why not."""
-        if self.supervisor is not None and not self.supervisor.is_current():
+        # A round may take minutes (each repair waits for its mount): only one stuck for 30 counts.
+        if self.supervisor is not None and not self.supervisor.is_current(stale_s=1800):
             return "the mount supervisor has not run lately"
         return None
 

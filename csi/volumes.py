@@ -30,15 +30,14 @@ from pffs.csi.attributes import (
     parse_credentials,
 )
 from pffs.csi.metrics import PluginMetrics
-from pffs.csi.mounter import MounterUnavailable
+from pffs.csi.mounter import MounterTooOld, MounterUnavailable
 from pffs.csi.mounts import (
     bind_mount,
-    is_fuse,
     is_mount_process,
     mount_pid,
-    mount_stack,
     mounted_paths,
     shares_mounts_with_host,
+    shows_mount_of,
     stop_mount_process,
     unmount_all,
 )
@@ -130,6 +129,11 @@ class VolumeManager:
             inline_key=inline_key,
         )
         os.makedirs(staging_path, exist_ok=True)
+        if staging_path in mounted_paths():
+            log.warning(
+                "%s holds a mount no record knows (a start whose answer was lost?); stopping it", staging_path
+            )
+            stop_mount_process(mount_pid(staging_path), staging_path, self.config.unmount_timeout_s)
         with self.state.lock:
             self.state.keep_secrets(staging_path, credentials.reveal())
         try:
@@ -219,8 +223,7 @@ class VolumeManager:
                     Code.ALREADY_EXISTS,
                     f"{target_path} is already published with another volume or read-only flag",
                 )
-            stack = mount_stack(target_path)
-            if not (stack and is_fuse(stack[-1])):
+            if not shows_mount_of(target_path, staging_path):
                 bind_mount(staging_path, target_path, read_only)
             return
         if not self.is_alive(staged):
@@ -275,19 +278,16 @@ class VolumeManager:
                 Code.NOT_FOUND,
                 f"{target_path} holds volume {staged.targets[target_path].volume_id}, not {volume_id}",
             )
-        unmount_all(target_path)
-        try:
-            os.rmdir(target_path)
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            log.warning("could not remove %s: %s", target_path, exc.strerror)
         if staged is None:
+            self._unbind(target_path)
             return
-        with self.state.lock:
-            staged.targets.pop(target_path, None)
-            self.state.save()
-            last_inline_target = staged.inline_key is not None and not staged.targets
+        # Under the staging path's lock: a repair binds every recorded target under it.
+        with self.locks.hold(staged.staging_path, wait_s=30):
+            self._unbind(target_path)
+            with self.state.lock:
+                staged.targets.pop(target_path, None)
+                self.state.save()
+                last_inline_target = staged.inline_key is not None and not staged.targets
         self._update_gauges()
         if last_inline_target:
             with self.locks.hold(f"inline:{staged.inline_key}", wait_s=30):
@@ -296,6 +296,16 @@ class VolumeManager:
                 if still_unused:
                     with self.locks.hold(staged.staging_path, wait_s=30):
                         self.unstage(staged.staging_path)
+
+    @staticmethod
+    def _unbind(target_path: str) -> None:
+        unmount_all(target_path)
+        try:
+            os.rmdir(target_path)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            log.warning("could not remove %s: %s", target_path, exc.strerror)
 
     def inline_dir(self) -> Path:
         """Where inline volumes' shared mounts live: under the kubelet dir (mounted into the plugin and the
@@ -342,6 +352,7 @@ class VolumeManager:
     def adopt(self) -> None:
         """At start: the records of a previous plugin process. Healthy mounts are kept as they are (no
         remount, no request to the backend); dead ones are mounted again."""
+        self._move_inline_mounts()
         with self.state.lock:
             volumes = list(self.state.records.staged.values())
         for staged in volumes:
@@ -353,6 +364,28 @@ class VolumeManager:
                     staged.pid,
                 )
         self.check()
+
+    def _move_inline_mounts(self) -> None:
+        """Inline volumes staged by a release that kept their mounts in the state dir: the mounter's mounts
+        there would never reach this plugin, so each record moves to inline_dir() and is mounted there (the
+        old mount died with the old plugin's container)."""
+        inline_dir = str(self.inline_dir())
+        with self.state.lock:
+            for old_path, staged in list(self.state.records.staged.items()):
+                if staged.inline_key is None or old_path.startswith(inline_dir + "/"):
+                    continue
+                if self.is_alive(staged):
+                    continue  # still serving where it is (a plugin on the host, say): leave it
+                new_path = f"{inline_dir}/{staged.inline_key}/mount"
+                os.makedirs(new_path, exist_ok=True)
+                self.state.keep_secrets(new_path, self.state.read_secrets(old_path))
+                self.state.forget_secrets(old_path)
+                unmount_all(old_path)
+                del self.state.records.staged[old_path]
+                staged.staging_path = new_path
+                self.state.records.staged[new_path] = staged
+                log.warning("inline volume %s moves from %s to %s", staged.volume_id, old_path, new_path)
+            self.state.save()
 
     def repair(self, staged: Staged) -> None:
         """Mounts a dead volume again at its staging path and binds every target again. The pods' bind
@@ -379,6 +412,7 @@ class VolumeManager:
                 )
             raise
         self.metrics.recoveries.inc()
+        self._told_down.discard(staged.pid)
         self._tell_pods(
             staged,
             "Warning",
@@ -408,8 +442,7 @@ class VolumeManager:
         with self.state.lock:
             staged.pid = pid
             self.state.save()
-        for target, info in staged.targets.items():
-            bind_mount(staged.staging_path, target, info.read_only)
+        self._bind_targets(staged, lost_only=False)
         log.info(
             "mounted %s again at %s (pid %d) and bound it into %d target(s)",
             staged.attributes.get("source"),
@@ -419,11 +452,23 @@ class VolumeManager:
         )
 
     def _rebind_lost_targets(self, staged: Staged) -> None:
-        for target, info in staged.targets.items():
-            stack = mount_stack(target)
-            if not (stack and is_fuse(stack[-1])) and os.path.isdir(target):
-                log.warning("target %s lost its bind mount; binding it again", target)
+        self._bind_targets(staged, lost_only=True)
+
+    def _bind_targets(self, staged: Staged, lost_only: bool) -> None:
+        """Binds the staged mount into each recorded target (only those that do not show it, with
+        `lost_only`), each on its own: a failure is logged and the others still get theirs. Callers hold
+        the staging path's lock, which unpublish takes too."""
+        with self.state.lock:
+            targets = list(staged.targets.items())
+        for target, info in targets:
+            if lost_only and (shows_mount_of(target, staged.staging_path) or not os.path.isdir(target)):
+                continue
+            if lost_only:
+                log.warning("target %s does not show its volume's mount; binding it again", target)
+            try:
                 bind_mount(staged.staging_path, target, info.read_only)
+            except OSError as exc:
+                log.error("could not bind %s into %s: %s (retrying)", staged.staging_path, target, exc)
 
     # Mount processes
 
@@ -444,6 +489,8 @@ class VolumeManager:
             raise Abort(code, with_secret_hint(f"could not mount {attributes.source}: {exc}")) from None
         except MounterUnavailable as exc:
             raise Abort(Code.UNAVAILABLE, str(exc)) from None
+        except MounterTooOld as exc:
+            raise Abort(Code.FAILED_PRECONDITION, str(exc)) from None
 
     def cache_settings_for(self, staging_path: str, attributes: VolumeAttributes) -> CacheSettings:
         """The node's shared cache, or the volume's own (under the node's cache dir) when it asks for a

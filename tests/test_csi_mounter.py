@@ -351,3 +351,30 @@ def test_mounts_started_at_once_never_share_a_metrics_port_nor_take_one_in_use()
     given = [port for port in reserved if port is not None]
     assert len(given) >= 3 and len(set(given)) == len(given), reserved  # distinct, each held till started
     assert first + 1 not in given and all(first <= port <= first + 4 for port in given)
+
+
+def test_a_mounter_older_than_the_plugin_names_the_option_it_lacks_and_what_to_do(tmp_path: Path) -> None:
+    """The mounter is updated only when its pod is deleted, so it may run older code than the plugin: an
+    option it does not know is refused with that said (FAILED_PRECONDITION at the plugin), and options the
+    volume leaves at their defaults are not sent at all, so a newer plugin's new fields cost nothing."""
+    from pffs.csi.mounter import MounterClient
+    from pffs.fuse.launch import options_with_credentials
+    from pffs.fuse.options import MountOptions
+
+    short = Path(tempfile.mkdtemp(prefix="pffs-skew-", dir="/run"))
+    mounter = Mounter(short / "mounter.sock", tmp_path / "mounter.log")
+    mounter.start()
+    try:
+        client = MounterClient(mounter.socket)
+        assert client.ping()
+        options = {"mountpoint": str(tmp_path / "m"), "source": "s3://bucket/prefix", "brand_new_option": 1}
+        answer = client._call({"op": "start", "volume": "v", "options": options}, 30)
+        assert answer.get("too_old") is True and answer["exit_code"] == 2, answer
+        assert "brand_new_option" in answer["error"] and "delete the pffs-csi-mounter pod" in answer["error"]
+        sent = json.loads(
+            options_with_credentials(MountOptions(mountpoint=tmp_path / "m", source="s3://b/p"), True)
+        )
+        assert set(sent) <= {"mountpoint", "source", "cache"}, sent
+    finally:
+        mounter.kill()
+        subprocess.run(["rm", "-rf", str(short)], check=False)

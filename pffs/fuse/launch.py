@@ -33,16 +33,18 @@ class MountProcess:
     popen: subprocess.Popen[bytes]  # its supervisor, which exits with its status (pffs.fuse.ending)
 
 
-def options_with_credentials(options: MountOptions) -> bytes:
+def options_with_credentials(options: MountOptions, without_defaults: bool = False) -> bytes:
     """The options as the mount process reads them. pydantic prints SecretStr as stars; the child needs the
-    values, so they are put back here, in the one message that goes through the pipe."""
-    data = options.model_dump(mode="json")
+    values, so they are put back here, in the one message that goes through the pipe. `without_defaults`:
+    only the options that differ from their defaults (what an older reader, which refuses options it does
+    not know, can take as long as the newer ones are not used)."""
+    data = options.model_dump(mode="json", exclude_defaults=without_defaults)
     # Only the cache settings given: one not given (--cache-size) means "the cache's own" (vfs.py).
     data["cache"] = options.cache.model_dump(mode="json", exclude_unset=True)
     for name in SECRET_FIELDS:
         value = getattr(options.backend, name)
         if value is not None:
-            data["backend"][name] = value.get_secret_value()
+            data.setdefault("backend", {})[name] = value.get_secret_value()
     return json.dumps(data).encode()
 
 
