@@ -644,18 +644,35 @@ def test_uninstall_after_the_pods_leaves_nothing_mounted_or_running(shipped: Shi
         120,
         shipped.logs,
     )
-    poll("the kubelet unpublishes and unstages every volume", lambda: not pffs_mounts(), 60, shipped.logs)
+    poll(
+        "the kubelet unpublishes and unstages every volume",
+        lambda: not pffs_mounts(shipped),
+        60,
+        lambda: "\n".join(pffs_mounts(shipped)) + "\n" + shipped.logs(),
+    )
     started = time.monotonic()
     for obj in reversed(shipped.objects):
         delete(shipped.dynamic, obj)
     poll("the chart's pods are gone", lambda: not shipped.core.list_namespaced_pod(NAMESPACE).items, 180)
     print(f"uninstall: the chart's pods gone in {time.monotonic() - started:.1f} s")
-    leftover = subprocess.run(
+    assert not mount_processes(shipped)
+    assert not pffs_mounts(shipped)
+
+
+def pffs_mounts(world: Shipped) -> list[str]:
+    """This test's pffs mounts (other tests may run mounts of their own on this machine)."""
+    lines = Path("/proc/self/mountinfo").read_text().splitlines()
+    return [line for line in lines if "fuse.pffs" in line and str(world.root) in line]
+
+
+def mount_processes(world: Shipped) -> list[str]:
+    found = subprocess.run(
         ["pgrep", "-f", "pffs.cli.mount_daemon|^pffs mount"], capture_output=True, text=True
     )
-    assert not leftover.stdout.strip(), leftover.stdout
-    assert not pffs_mounts()
-
-
-def pffs_mounts() -> list[str]:
-    return [line for line in Path("/proc/self/mountinfo").read_text().splitlines() if "fuse.pffs" in line]
+    commands = []
+    for pid in found.stdout.split():
+        with contextlib.suppress(OSError):
+            command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            if str(world.root) in command:
+                commands.append(f"{pid}: {command}")
+    return commands
