@@ -259,7 +259,7 @@ def test_containerd_imports_the_archives_and_runs_the_entrypoint(
         name.removeprefix("docker.io/") for name in listed
     }
     name = next(n for n in listed if n.endswith(CSI_IMAGE_NEXT))
-    # the image's own entrypoint and command: tini -- pffs --help
+    # the image's own entrypoint and command: tini -s -- pffs --help
     output = ctr("run", "--rm", "--net-host", name, "pffs-image-test")
     assert "csi" in output
     output = ctr("run", "--rm", "--net-host", name, "pffs-image-test", "pffs", "--version")
