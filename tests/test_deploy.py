@@ -548,7 +548,7 @@ def assert_registration_and_health_line_up(objects: list[dict[str, Any]], kubele
 
 
 def assert_args_follow_the_image_entrypoint(objects: list[dict[str, Any]]) -> None:
-    """The image's ENTRYPOINT is `tini -s -- pffs`; the manifests give only args, starting with the command."""
+    """The image's ENTRYPOINT is `tini -s -- pffs`: the manifests give only args, the command first."""
     entrypoint = next(
         line for line in (DEPLOY / "Dockerfile").read_text().splitlines() if line.startswith("ENTRYPOINT")
     )

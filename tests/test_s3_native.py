@@ -103,3 +103,29 @@ def test_native_gets_reconnect_after_the_server_restarts(tmp_path: Path) -> None
         server.start()  # same ports: the kept connection is dead, a new one must be made
         assert sha256(bytes(backend.read_range(info, 0, len(data)))) == sha256(data)
         assert backend.native_gets
+
+
+def test_native_heads_give_what_botocore_gives_attributes_included(
+    raw_s3: Any, bucket: str, s3_server: SeaweedS3
+) -> None:
+    """A read-write mount asks a HEAD of every file it shows (for the attributes stored with it): through
+    the native client, with the same answer as botocore's, and the same errors."""
+    from pffs.backends.posix_metadata import PosixAttributes
+
+    attributes = PosixAttributes(mode=0o100640, uid=1234, gid=56, mtime_ns=1_614_834_367_123_456_789)
+    native, plain = _backend(s3_server, True), _backend(s3_server, False)
+    native.write_bytes(f"{bucket}/dir/with attrs.bin", b"x" * 1000, attributes)
+    raw_s3.pipe(f"{bucket}/dir/plain.bin", b"y" * 77)
+    for name in ("dir/with attrs.bin", "dir/plain.bin"):
+        path = f"{bucket}/{name}"
+        assert native.stat(path) == plain.stat(path)
+    info = native.stat(f"{bucket}/dir/with attrs.bin")
+    assert info.posix == attributes and info.size == 1000
+    assert native.native_gets and native._native is not None  # it did not fall back
+    assert native.stat(f"{bucket}/dir").is_dir  # a prefix: the HEAD's 404, then one LIST
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        native.stat(f"{bucket}/dir/missing.bin")
+    bad = _backend(s3_server, True, secret="wrong-secret-456")
+    with pytest.raises(PermissionError) as err:
+        bad.stat(f"{bucket}/dir/plain.bin")
+    assert "wrong-secret-456" not in str(err.value)

@@ -430,7 +430,7 @@ class S3Backend(Backend):
         if not key:  # a bucket: no attributes of its own
             return dataclasses.replace(super().stat(path), posix=PosixAttributes())
         try:
-            head = self._call("head", lambda: self._s3("head_object", Bucket=bucket, Key=key), path)
+            head = self._call("head", lambda: self._head_object(bucket, key), path)
             return self._head_info(path, head, is_dir=False)
         except FileNotFoundError:
             pass
@@ -445,11 +445,23 @@ class S3Backend(Backend):
             raise FileNotFoundError(errno.ENOENT, f"{self.url(path)}: no such file or object")
         if first and first[0].get("Key") == prefix:
             try:
-                marker = self._call("head", lambda: self._s3("head_object", Bucket=bucket, Key=prefix), path)
+                marker = self._call("head", lambda: self._head_object(bucket, prefix), path)
                 return self._head_info(path, marker, is_dir=True)
             except FileNotFoundError:  # deleted since the LIST: still a prefix if anything is under it
                 pass
         return ObjectInfo(path=path, size=0, is_dir=True, identity="dir", posix=PosixAttributes())
+
+    def _head_object(self, bucket: str, key: str) -> dict[str, Any]:
+        """A HEAD through the native client where it serves (a fraction of botocore's CPU: measured by
+        bench/profile_mount.py), else through s3fs's."""
+        native = self._native_getter()
+        if native is not None:
+            try:
+                return native.head(bucket, key)
+            except NotHandled as exc:
+                log.info("S3 requests of s3://%s go through s3fs from now on (%s)", bucket, exc)
+                self.native_gets = False
+        return dict(self._s3("head_object", Bucket=bucket, Key=key))
 
     def _head_info(self, path: str, head: dict[str, Any], *, is_dir: bool) -> ObjectInfo:
         posix = PosixAttributes.from_metadata(head.get("Metadata") or {})

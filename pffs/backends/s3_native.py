@@ -1,4 +1,5 @@
-"""S3 ranged GETs without botocore, for the block fetches that carry almost every byte pffs reads.
+"""S3 ranged GETs (and HEADs) without botocore, for the block fetches that carry almost every byte pffs
+reads, and the HEAD a read-write mount asks of every file it shows.
 
 Through s3fs, every GET is built, signed, sent and parsed by aiobotocore and aiohttp in Python on s3fs's
 event-loop thread, the body arriving as a list of chunks that are joined at the end: 1-3 ms of CPU per
@@ -19,6 +20,7 @@ caller goes back to s3fs for good.
 from __future__ import annotations
 
 import contextlib
+import email.utils
 import errno
 import hashlib
 import hmac
@@ -89,7 +91,7 @@ class BucketEndpoint:
 
 
 class SigV4:
-    """AWS Signature Version 4 for S3 GETs (headers only; the payload of a GET is empty)."""
+    """AWS Signature Version 4 for S3 GETs and HEADs (headers only; their payload is empty)."""
 
     def __init__(self, region: str) -> None:
         self.region = region
@@ -105,10 +107,17 @@ class SigV4:
         return key
 
     def sign(
-        self, creds: Credentials, host: str, path: str, query: str, headers: dict[str, str], now: float
+        self,
+        creds: Credentials,
+        host: str,
+        path: str,
+        query: str,
+        headers: dict[str, str],
+        now: float,
+        method: str = "GET",
     ) -> dict[str, str]:
-        """The headers to send for a GET of `path?query` on `host`: `headers` (lower-case names, all of
-        them signed) plus x-amz-date, x-amz-content-sha256, the session token and Authorization."""
+        """The headers to send for a GET (or HEAD) of `path?query` on `host`: `headers` (lower-case names,
+        all of them signed) plus x-amz-date, x-amz-content-sha256, the session token and Authorization."""
         stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(now))
         day = stamp[:8]
         signed = {**headers, "host": host, "x-amz-content-sha256": EMPTY_SHA256, "x-amz-date": stamp}
@@ -116,7 +125,7 @@ class SigV4:
             signed["x-amz-security-token"] = creds.token
         names = sorted(signed)
         canonical = "\n".join(
-            ["GET", path, query, *(f"{k}:{signed[k]}" for k in names), "", ";".join(names), EMPTY_SHA256]
+            [method, path, query, *(f"{k}:{signed[k]}" for k in names), "", ";".join(names), EMPTY_SHA256]
         )
         scope = f"{day}/{self.region}/s3/aws4_request"
         to_sign = f"AWS4-HMAC-SHA256\n{stamp}\n{scope}\n{hashlib.sha256(canonical.encode()).hexdigest()}"
@@ -206,22 +215,69 @@ class NativeS3Getter:
     ) -> None:
         """Fills `into` with bytes [start, start+len(into)) of the object, of the version given by
         `version_id` or `etag` (ObjectChangedError if it is gone)."""
-        endpoint = self._endpoint(bucket)
-        path = endpoint.path_prefix + quote(key, safe="/~")
         query = f"versionId={quote(version_id, safe='~')}" if version_id else ""
         headers = {"range": f"bytes={start}-{start + len(into) - 1}"}
         if etag and not version_id:
             headers["if-match"] = etag
+        endpoint, connection, response = self._request("GET", bucket, key, query, headers)
+        try:
+            self._body(connection, response, into, etag, self.read_timeout)
+        except BaseException:
+            connection.close()
+            self._forget(endpoint)
+            raise
+        self._keep_or_close(endpoint, connection, response)
+
+    def head(self, bucket: str, key: str) -> dict[str, Any]:
+        """The object's HEAD, in the shape of botocore's head_object answer (ContentLength, ETag,
+        VersionId, LastModified, ContentType, Metadata): what a read-write mount asks of every file it
+        shows, at a fraction of botocore's CPU (FileNotFoundError if there is no such object)."""
+        endpoint, connection, response = self._request("HEAD", bucket, key, "", {})
+        # A HEAD answer has no body, whatever its Content-Length says.
+        self._keep_or_close(endpoint, connection, response)
+        headers = response.headers
+        if response.status != 200:
+            if response.status in (301, 302, 307, 308, 400):
+                raise NotHandled(f"HTTP {response.status} to a HEAD")
+            _raise_for(response.status, b"")
+        if "content-length" not in headers:
+            raise NotHandled("a HEAD answer without a Content-Length")
+        answer: dict[str, Any] = {
+            "ContentLength": int(headers["content-length"]),
+            "Metadata": {
+                name[len("x-amz-meta-") :]: value
+                for name, value in headers.items()
+                if name.startswith("x-amz-meta-")
+            },
+        }
+        for header, field in (
+            ("etag", "ETag"),
+            ("x-amz-version-id", "VersionId"),
+            ("content-type", "ContentType"),
+        ):
+            if header in headers:
+                answer[field] = headers[header]
+        if "last-modified" in headers:
+            answer["LastModified"] = email.utils.parsedate_to_datetime(headers["last-modified"])
+        return answer
+
+    def _request(
+        self, method: str, bucket: str, key: str, query: str, headers: dict[str, str]
+    ) -> tuple[BucketEndpoint, _Connection, _Response]:
+        """Sends one signed request on this thread's connection to the bucket's endpoint and reads the
+        answer's headers (once more on a new connection if a kept-alive one had been closed)."""
+        endpoint = self._endpoint(bucket)
+        path = endpoint.path_prefix + quote(key, safe="/~")
         creds = self._current_credentials()
         if creds is not None:
-            headers = self._signer.sign(creds, endpoint.host, path, query, headers, time.time())
+            headers = self._signer.sign(creds, endpoint.host, path, query, headers, time.time(), method)
         target = path + ("?" + query if query else "")
-        request = [f"GET {target} HTTP/1.1", f"Host: {endpoint.host}", "Connection: keep-alive"]
+        request = [f"{method} {target} HTTP/1.1", f"Host: {endpoint.host}", "Connection: keep-alive"]
         request += [f"{k}: {v}" for k, v in headers.items()]
         wire = ("\r\n".join(request) + "\r\n\r\n").encode()
         connection, reused = self._connection(endpoint)
         try:
-            response = self._exchange(connection, wire, self.read_timeout)
+            return endpoint, connection, self._exchange(connection, wire, self.read_timeout)
         except (ConnectionError, _EmptyAnswer):
             connection.close()
             self._forget(endpoint)
@@ -230,7 +286,7 @@ class NativeS3Getter:
             # A kept-alive connection the server had closed: one new connection, at once.
             connection, _ = self._connection(endpoint)
             try:
-                response = self._exchange(connection, wire, self.read_timeout)
+                return endpoint, connection, self._exchange(connection, wire, self.read_timeout)
             except BaseException:
                 connection.close()
                 self._forget(endpoint)
@@ -239,12 +295,8 @@ class NativeS3Getter:
             connection.close()
             self._forget(endpoint)
             raise
-        try:
-            self._body(connection, response, into, etag, self.read_timeout)
-        except BaseException:
-            connection.close()
-            self._forget(endpoint)
-            raise
+
+    def _keep_or_close(self, endpoint: BucketEndpoint, connection: _Connection, response: _Response) -> None:
         if response.headers.get("connection", "").lower() == "close":
             connection.close()
             self._forget(endpoint)
