@@ -233,8 +233,13 @@ class NativeS3Getter:
         VersionId, LastModified, ContentType, Metadata): what a read-write mount asks of every file it
         shows, at a fraction of botocore's CPU (FileNotFoundError if there is no such object)."""
         endpoint, connection, response = self._request("HEAD", bucket, key, "", {})
-        # A HEAD answer has no body, whatever its Content-Length says.
-        self._keep_or_close(endpoint, connection, response)
+        # A HEAD answer has no body, whatever its Content-Length says; a server that sent one anyway
+        # leaves the connection unusable for the next answer.
+        if response.early_body:
+            connection.close()
+            self._forget(endpoint)
+        else:
+            self._keep_or_close(endpoint, connection, response)
         headers = response.headers
         if response.status != 200:
             if response.status in (301, 302, 307, 308, 400):
