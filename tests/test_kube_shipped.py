@@ -622,8 +622,20 @@ def test_a_mounter_replaced_takes_its_mounts_but_the_plugin_mounts_them_again_an
     for name in READERS:
         report = last_report(shipped, name)
         assert report is not None and report["writes_ok"] == 0, report
-        events = shipped.core.list_namespaced_event("default", field_selector=f"involvedObject.name={name}")
-        assert any(e.reason == "PffsMountRepaired" for e in events.items), [e.reason for e in events.items]
+
+        def reasons(pod: str = name) -> list[str]:
+            selector = f"involvedObject.name={pod}"
+            return [
+                e.reason for e in shipped.core.list_namespaced_event("default", field_selector=selector).items
+            ]
+
+        # Posted in the background after the repair: it may follow the reads by a moment.
+        poll(
+            f"{name} gets a PffsMountRepaired Event",
+            lambda r=reasons: "PffsMountRepaired" in r(),
+            60,
+            lambda r=reasons: str(r()),
+        )
     for target, stack in targets_on_host(shipped).items():
         assert all(read_only for _, read_only in stack), (target, stack)
         assert [fs for fs, _ in stack] == ["fuse.pffs", "fuse.pffs"], (target, stack)  # dead, then live

@@ -116,12 +116,19 @@ def test_native_heads_give_what_botocore_gives_attributes_included(
     native, plain = _backend(s3_server, True), _backend(s3_server, False)
     native.write_bytes(f"{bucket}/dir/with attrs.bin", b"x" * 1000, attributes)
     raw_s3.pipe(f"{bucket}/dir/plain.bin", b"y" * 77)
+    first = native.stat(f"{bucket}/dir/plain.bin")  # before any GET: through s3fs (see _head_object)
+    native.read_range(first, 0, 77)  # the GET that makes the native client in this process
+    assert native._native is not None
+    heads: list[str] = []
+    native_head = native._native.head
+    native._native.head = lambda b, k: heads.append(k) or native_head(b, k)  # type: ignore[method-assign]
     for name in ("dir/with attrs.bin", "dir/plain.bin"):
         path = f"{bucket}/{name}"
         assert native.stat(path) == plain.stat(path)
     info = native.stat(f"{bucket}/dir/with attrs.bin")
     assert info.posix == attributes and info.size == 1000
-    assert native.native_gets and native._native is not None  # it did not fall back
+    assert heads == ["dir/with attrs.bin", "dir/plain.bin", "dir/with attrs.bin"]  # all native
+    assert native.native_gets  # it did not fall back
     assert native.stat(f"{bucket}/dir").is_dir  # a prefix: the HEAD's 404, then one LIST
     with pytest.raises(FileNotFoundError, match="no such file"):
         native.stat(f"{bucket}/dir/missing.bin")

@@ -452,9 +452,11 @@ class S3Backend(Backend):
         return ObjectInfo(path=path, size=0, is_dir=True, identity="dir", posix=PosixAttributes())
 
     def _head_object(self, bucket: str, key: str) -> dict[str, Any]:
-        """A HEAD through the native client where it serves (a fraction of botocore's CPU: measured by
-        bench/profile_mount.py), else through s3fs's."""
-        native = self._native_getter()
+        """A HEAD through the native client once a GET has made it in this process (a fraction of
+        botocore's CPU: measured by bench/profile_mount.py), else through s3fs's. Not made for a HEAD
+        alone: a process that only lists and stats, then forks readers (a DataLoader's), keeps s3fs's
+        client to itself as before, whose session a forked child otherwise closes on the wrong loop."""
+        native = self._native if self.native_gets and self._native_pid == os.getpid() else None
         if native is not None:
             try:
                 return native.head(bucket, key)
