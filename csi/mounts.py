@@ -184,22 +184,26 @@ def shares_mounts_with_host(path: str) -> bool:
 
 def mount_stack(path: str) -> list[str]:
     """The file system types mounted at `path`, bottom first (mountinfo lists mounts in the order made)."""
-    return [fstype for fstype, _ in _mounts_at(path)]
+    return [fstype for fstype, _ in mount_table().get(path, [])]
 
 
-def shows_mount_of(target: str, source: str) -> bool:
+def shows_mount_of(target: str, source: str, table: MountTable | None = None) -> bool:
     """Whether the top mount at `target` is of the same file system as the top mount at `source` (each
-    FUSE connection is a device of its own: a dead pffs mount under a target is not the live one)."""
-    at_target, at_source = _mounts_at(target), _mounts_at(source)
+    FUSE connection is a device of its own: a dead pffs mount under a target is not the live one).
+    `table`: a mount_table() read once for several questions."""
+    table = mount_table() if table is None else table
+    at_target, at_source = table.get(target, []), table.get(source, [])
     return bool(at_target and at_source) and at_target[-1][1] == at_source[-1][1]
 
 
-def _mounts_at(path: str) -> list[tuple[str, str]]:
-    """(file system type, device major:minor) of each mount at `path`, bottom first."""
-    found = []
-    with open("/proc/self/mountinfo") as table:
-        for line in table:
+# mount point → (file system type, device major:minor) of each mount there, bottom first
+MountTable = dict[str, list[tuple[str, str]]]
+
+
+def mount_table() -> MountTable:
+    table: MountTable = {}
+    with open("/proc/self/mountinfo") as lines:
+        for line in lines:
             fields = line.split()
-            if _unescape(fields[4]) == path:
-                found.append((fields[fields.index("-") + 1], fields[2]))
-    return found
+            table.setdefault(_unescape(fields[4]), []).append((fields[fields.index("-") + 1], fields[2]))
+    return table

@@ -35,6 +35,7 @@ from pffs.csi.mounts import (
     bind_mount,
     is_mount_process,
     mount_pid,
+    mount_table,
     mounted_paths,
     shares_mounts_with_host,
     shows_mount_of,
@@ -460,8 +461,10 @@ class VolumeManager:
         the staging path's lock, which unpublish takes too."""
         with self.state.lock:
             targets = list(staged.targets.items())
+        table = mount_table()  # read once for every target: this runs each second for each volume
         for target, info in targets:
-            if lost_only and (shows_mount_of(target, staged.staging_path) or not os.path.isdir(target)):
+            shown = shows_mount_of(target, staged.staging_path, table)
+            if lost_only and (shown or not os.path.isdir(target)):
                 continue
             if lost_only:
                 log.warning("target %s does not show its volume's mount; binding it again", target)
