@@ -48,6 +48,9 @@ read is checked against its sha256 after the clock stops. Per client, in order:
     pause 6 s, unmount, mount again with the same cache directory
       random_warm  1,000 preads of 128 KiB at random 4 KiB-aligned offsets of the large file, one at a
                    time: reads/s, and p50/p99 latency in ms
+    for pffs, JuiceFS, s3fs and rclone (--scaling-clients), for 1, 2, 4 and 8 readers, each after a remount:
+      scaling_rN   the small files from the client's disk cache by N threads: files/s, the mount's CPU
+                   seconds per wall second (cores kept busy: is it capped by one?) and its CPU-ms per file
 
 Ceilings, measured in the same run: ceiling_local_disk (the large file's bytes from a local file, page
 cache dropped, 4 MiB reads), ceiling_local_random (the random phase's 1,000 preads on that local file,
@@ -131,6 +134,10 @@ CLIENTS = ("pffs", "pffs-ro", "pffs-noprefetch", "rclone", "s3fs", "juicefs", "m
 PFFS_CLIENTS = ("pffs", "pffs-ro", "pffs-noprefetch")
 PEERS = ("rclone", "s3fs", "juicefs", "mountpoint")
 CACHE_SIZE = "8G"
+# Readers of warm data (each count after a remount: the client's disk cache, its memory and the page
+# cache cold): does the mount use more than one core? Clients whose cache survives a remount.
+SCALING_READERS = (1, 2, 4, 8)
+SCALING_CLIENTS = ("pffs", "juicefs", "s3fs", "rclone")
 # pffs as `pffs mount` runs by default (read-write: modes, owners and times stored with each object, one
 # HEAD per file), with the same cache bounds as the peers.
 PFFS_MOUNT_OPTIONS = f"--cache-size {CACHE_SIZE} --memory-cache-size 512M --attr-ttl 1 --dir-ttl 60".split()
@@ -168,6 +175,16 @@ FIGURES: dict[str, tuple[str, str, str]] = {
     "mount_cpu_large_warm_again_s_per_gib": ("mount CPU, large warm_again", "CPU-s/GiB", "lower"),
     "mount_cpu_small_cold_s_per_kfile": ("mount CPU, small cold", "CPU-s/1000 files", "lower"),
     "mount_cpu_small_warm_s_per_kfile": ("mount CPU, small warm", "CPU-s/1000 files", "lower"),
+    # Readers of warm data (SCALING_READERS): files/s, and the cores the mount kept busy ("info": more is
+    # neither better nor worse, it says whether the mount is capped by one core).
+    **{
+        name: entry
+        for n in SCALING_READERS
+        for name, entry in (
+            (f"scaling_r{n}_files_s", (f"small from disk cache, {n} readers", "files/s", "higher")),
+            (f"scaling_r{n}_mount_cores", (f"mount cores busy, {n} readers", "CPU-s/s", "info")),
+        )
+    },
 }
 CEILINGS = {
     "ceiling_ranged_gets_mb_s": f"ceiling: {PARALLEL_GETS}x{RANGE >> 20}MiB ranged GETs (s3fs)",
@@ -404,7 +421,7 @@ def phase_ceiling_native_small_gets(spec: Spec, root: str) -> Result:
     return {"figures": {"ceiling_native_small_gets_files_s": files_s}, "details": run, "verified": ok}
 
 
-def phase_small(spec: Spec, root: str, variant: str) -> Result:
+def phase_small(spec: Spec, root: str, variant: str, threads: int = THREADS) -> Result:
     names = sorted(spec.small)
     size = spec.small_size
     buf = touched_buffer(size * len(names))
@@ -422,7 +439,7 @@ def phase_small(spec: Spec, root: str, variant: str) -> Result:
     def read(i: int) -> tuple[int, bool]:
         return read_whole(os.path.join(directory, names[i]), view[i * size : (i + 1) * size])
 
-    with ThreadPoolExecutor(THREADS) as pool:
+    with ThreadPoolExecutor(threads) as pool:
         cpu, wall = cpu_now(), time.perf_counter()
         got = list(pool.map(read, order))
         wall = time.perf_counter() - wall
@@ -443,7 +460,7 @@ def phase_small(spec: Spec, root: str, variant: str) -> Result:
         },
         "details": {
             "files": len(names),
-            "threads": THREADS,
+            "threads": threads,
             "bytes": total,
             "seconds": round(wall, 4),
             "mb_per_s": round(total / MB / wall, 1),
@@ -452,6 +469,21 @@ def phase_small(spec: Spec, root: str, variant: str) -> Result:
         },
         "verified": verified,
     }
+
+
+def phase_scaling(spec: Spec, root: str, readers: int) -> Result:
+    """The small files from the client's disk cache (memory cold after a remount, page cache dropped) by
+    `readers` threads: files/s, and how many cores the mount kept busy (its CPU-s per wall second)."""
+    result = phase_small(spec, root, f"warm_r{readers}", readers)
+    details = result["details"]
+    figures = {f"scaling_r{readers}_files_s": result["figures"][f"small_warm_r{readers}_files_s"]}
+    if "mount_cpu_seconds" in details:
+        cores = details["mount_cpu_seconds"] / details["seconds"]
+        figures[f"scaling_r{readers}_mount_cores"] = round(cores, 3)
+        figures[f"scaling_r{readers}_mount_cpu_ms_per_file"] = round(
+            details["mount_cpu_seconds"] * 1000 / details["files"], 3
+        )
+    return {**result, "figures": figures}
 
 
 def phase_stat(spec: Spec, root: str) -> Result:
@@ -526,6 +558,10 @@ PHASES: dict[str, Callable[[Spec, str], Result]] = {
     "small_warm": lambda spec, root: phase_small(spec, root, "warm"),
     "stat": phase_stat,
     "random_warm": phase_random,
+    **{
+        f"scaling_r{n}": (lambda spec, root, n=n: phase_scaling(spec, root, n))  # type: ignore[misc]
+        for n in (1, 2, 4, 8)
+    },
     "ceiling_local_disk": phase_ceiling_local_disk,
     "ceiling_local_random": lambda spec, root: phase_ceiling_local_random(spec),
     "ceiling_ranged_gets": phase_ceiling_ranged_gets,
@@ -1001,6 +1037,10 @@ class Run:
             if not small_only:
                 mount.remount()
                 self.phase(client, "random_warm", repeat, mount)
+            if client in self.args.scaling_clients:
+                for readers in SCALING_READERS:  # each from the disk cache: the memory tier emptied
+                    mount.remount()
+                    self.phase(client, f"scaling_r{readers}", repeat, mount)
         except (PhaseFailed, OSError, subprocess.SubprocessError) as exc:
             log(f"  {client} FAILED: {exc}")
             if not any(f["client"] == client and f["repeat"] == repeat for f in self.failures):
@@ -1167,7 +1207,7 @@ def compare(figures: dict[str, dict[str, Result]]) -> dict[str, Result]:
     for fig, (_, _, better) in FIGURES.items():
         by_client = figures.get(fig, {})
         peers = {c: r["value"] for c, r in by_client.items() if c in PEERS}
-        if not peers:
+        if not peers or better == "info":
             continue
         pick = min if better == "lower" else max
         best = pick(peers, key=lambda c: peers[c])
@@ -1348,7 +1388,7 @@ def print_table(report: Result) -> None:
         phases = sorted({ph for row in rss.values() for ph in row})
         print("\nmount peak resident memory (MB) per phase: " + ", ".join(phases))
         for client, row in rss.items():
-            print(f"  {client:16} " + "  ".join(f"{fmt(row.get(ph, 0.0)):>6}" for ph in phases))
+            print(f"  {client:16} " + "  ".join(f"{fmt(row[ph]) if ph in row else '-':>6}" for ph in phases))
     for s in report.get("skipped", []):
         print(f"SKIPPED {s['client']}: {s['reason']}")
     for f in report["failures"]:
@@ -1407,7 +1447,8 @@ def plot(report: Result, path: Path) -> None:
                         label=f"{CEILINGS[ceiling]}: {fmt(r['value'])}",
                     )
             ax.legend(fontsize=6, loc="best", framealpha=0.6)
-        ax.set_title(f"{label}\n{unit}, {'lower' if better == 'lower' else 'higher'} is better", fontsize=9)
+        which = "" if better == "info" else f", {better} is better"
+        ax.set_title(f"{label}\n{unit}{which}", fontsize=9)
         ax.tick_params(axis="both", labelsize=7)
         ax.tick_params(axis="x", labelrotation=30)
         ax.grid(axis="y", alpha=0.3)
@@ -1468,6 +1509,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--mount-s3",
         default=str(MOUNT_S3),
         help=f"Mountpoint for S3's binary; that client is skipped where it is absent (default {MOUNT_S3})",
+    )
+    parser.add_argument(
+        "--scaling-clients",
+        type=clients_arg_of(CLIENTS),
+        default=list(SCALING_CLIENTS),
+        help="clients whose warm small-file reads are measured with 1, 2, 4 and 8 readers, each after a "
+        f"remount (default {','.join(SCALING_CLIENTS)})",
     )
     parser.add_argument("--out-dir", default=str(Path(__file__).parent / "results"), help="output folder")
     parser.add_argument("--phase", help=argparse.SUPPRESS)  # internal: run one phase (subprocess side)

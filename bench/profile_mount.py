@@ -3,12 +3,18 @@ requests it makes, read-write (the default) against --read-only (issue 31: profi
 
     .venv/bin/python bench/profile_mount.py [--count 1000] [--threads 8]
 
-One local SeaweedFS; COUNT objects of 128 KiB; for each mode a fresh cache and mount, the page cache
+One local SeaweedFS; COUNT objects of 128 KiB; for each mode (read-write and read-only from an empty
+cache; "warm": read-write from its disk cache after a remount) a fresh cache and mount, the page cache
 dropped, every file read by THREADS threads while py-spy samples the mount's serving process (100 Hz, all
 threads, idle ones left out). Prints and writes (bench/results/profile_mount.json) per mode: files/s, the
 mount's CPU-ms per file, backend requests per file by kind, and the functions where the samples fall, by
 self time (the leaf frame) and by inclusive time (any frame), as shares of the samples. Every file is
 checked against its sha256.
+
+A second py-spy samples only the thread holding the GIL: the share of the mount's busy samples that hold
+it is work one process can do on one core at most, whatever the node has. From it and the CPU per file,
+a model of one mount on a 32-core node: files/s <= 1000 / (GIL share x CPU-ms per file), and
+<= 32 x 1000 / CPU-ms per file.
 """
 
 from __future__ import annotations
@@ -81,9 +87,22 @@ def summarize(raw: Path, top: int) -> dict[str, Any]:
     return {"samples": total, "self": share(self_time), "inclusive": share(inclusive)}
 
 
+def py_spy(pid: int, output: Path, *extra: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [
+            *(str(VENV_BIN / "py-spy"), "record", "--pid", str(pid), "--rate", "100"),
+            *("--format", "raw", "--output", str(output), "--nonblocking", *extra),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+
+
 def profile_mode(
     s3: SeaweedS3, bucket: str, expected: dict[str, str], mode: str, args: Any, work: Path
 ) -> dict[str, Any]:
+    """One mode: "read-write" or "read-only" (cold: an empty cache), or "warm" (read-write, every file
+    read once, then a remount: read from the disk cache, memory and page cache cold)."""
     mountpoint, cache = work / f"mnt-{mode}", work / f"cache-{mode}"
     mountpoint.mkdir()
     env = {**os.environ, "AWS_ACCESS_KEY_ID": s3.access_key, "AWS_SECRET_ACCESS_KEY": s3.secret_key}
@@ -97,26 +116,26 @@ def profile_mode(
     ]
     command += ["--endpoint-url", s3.endpoint_url] + (["--read-only"] if mode == "read-only" else [])
     subprocess.run(command, check=True, env=env)
+    if mode == "warm":
+        read_all(mountpoint, expected, args.threads)
+        subprocess.run([str(VENV_BIN / "pffs"), "umount", str(mountpoint)], check=True)
+        subprocess.run(command, check=True, env=env)
     try:
         pid = int(os.getxattr(mountpoint, "user.pffs.pid"))
         Path("/proc/sys/vm/drop_caches").write_text("3\n")
-        raw = work / f"py-spy-{mode}.txt"
-        spy = subprocess.Popen(
-            [
-                *(str(VENV_BIN / "py-spy"), "record", "--pid", str(pid), "--rate", "100"),
-                *("--format", "raw", "--output", str(raw), "--nonblocking"),
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
+        raw, gil = work / f"py-spy-{mode}.txt", work / f"py-spy-{mode}-gil.txt"
+        # Two samplers at once: every running thread, and only the thread holding the GIL. Their ratio
+        # is the share of the mount's busy time spent holding the GIL: work no second core can share.
+        spies = [py_spy(pid, raw), py_spy(pid, gil, "--gil")]
         time.sleep(1.0)  # py-spy attached
         stats_before = json.loads(os.getxattr(mountpoint, "user.pffs.stats"))
         cpu_before = cpu_seconds(pid)
         wall = read_all(mountpoint, expected, args.threads)
         cpu = cpu_seconds(pid) - cpu_before
         stats = json.loads(os.getxattr(mountpoint, "user.pffs.stats"))
-        spy.send_signal(2)
-        spy.wait(timeout=60)
+        for spy in spies:
+            spy.send_signal(2)
+            spy.wait(timeout=60)
     finally:
         subprocess.run([str(VENV_BIN / "pffs"), "umount", str(mountpoint)], check=False)
     requests = {
@@ -127,11 +146,35 @@ def profile_mode(
         )
         for kind, row in stats["backend_requests"].items()
     }
+    profile, holding_gil = summarize(raw, args.top), summarize(gil, args.top)
+    gil_share = holding_gil["samples"] / profile["samples"] if profile["samples"] else 0.0
+    cpu_ms = cpu * 1000 / len(expected)
     return {
         "files_per_s": round(len(expected) / wall, 1),
-        "mount_cpu_ms_per_file": round(cpu * 1000 / len(expected), 3),
+        "mount_cpu_ms_per_file": round(cpu_ms, 3),
+        "mount_cores_busy": round(cpu / wall, 3),
+        "gil_share_of_busy_samples": round(gil_share, 3),
+        # What one mount process could serve with cores enough: its GIL-held work is serial (one core at
+        # most), the rest spreads. files/s <= 1000 / (gil_share x CPU-ms per file); and <= cores x 1000 /
+        # CPU-ms per file for a node's cores (MODEL_CORES).
+        "model": model(cpu_ms, gil_share),
         "backend_requests_per_file": requests,
-        "profile": summarize(raw, args.top),
+        "profile": profile,
+        "profile_holding_gil": holding_gil,
+    }
+
+
+MODEL_CORES = 32
+
+
+def model(cpu_ms_per_file: float, gil_share: float) -> dict[str, float]:
+    serial_cap = 1000 / (gil_share * cpu_ms_per_file) if gil_share > 0 else float("inf")
+    cores_cap = MODEL_CORES * 1000 / cpu_ms_per_file
+    return {
+        "files_per_s_capped_by_gil": round(serial_cap, 1),
+        f"files_per_s_capped_by_{MODEL_CORES}_cores": round(cores_cap, 1),
+        f"files_per_s_one_mount_{MODEL_CORES}_cores": round(min(serial_cap, cores_cap), 1),
+        "cores_used_at_that_rate": round(min(serial_cap, cores_cap) * cpu_ms_per_file / 1000, 2),
     }
 
 
@@ -157,7 +200,7 @@ def main() -> None:
                 "size": SIZE,
                 "modes": {
                     mode: profile_mode(s3, bucket, expected, mode, args, work)
-                    for mode in ("read-write", "read-only")
+                    for mode in ("read-write", "read-only", "warm")
                 },
             }
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
@@ -166,6 +209,10 @@ def main() -> None:
             f"\n{mode}: {figures['files_per_s']} files/s, "
             f"mount CPU {figures['mount_cpu_ms_per_file']} ms/file, "
             f"requests/file {figures['backend_requests_per_file']}"
+        )
+        print(
+            f"  mount cores busy {figures['mount_cores_busy']}, GIL held in "
+            f"{figures['gil_share_of_busy_samples']:.1%} of busy samples; model: {figures['model']}"
         )
         print("  self time:", ", ".join(f"{n} {s:.1%}" for n, s in figures["profile"]["self"][:10]))
         print("  inclusive:", ", ".join(f"{n} {s:.1%}" for n, s in figures["profile"]["inclusive"][:10]))

@@ -77,7 +77,7 @@ class VolumeAttributes(BaseModel):
     prefetch_dirs: bool = Field(True, alias="prefetchDirs")
     # Modes, owners and times stored with each object (chmod, chown, symlinks): off unless asked for, since
     # a pod running as another user than the objects' owner would lose the write access it has with the
-    # fixed modes (and a file then costs a HEAD to show).
+    # fixed modes (and a file in a folder where pffs stored attributes costs a HEAD to show).
     posix_metadata: bool = Field(False, alias="posixMetadata")
     uid: int | None = Field(None, alias="uid", ge=0, le=2**32 - 2)
     gid: int | None = Field(None, alias="gid", ge=0, le=2**32 - 2)

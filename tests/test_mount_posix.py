@@ -431,3 +431,55 @@ def test_a_mounted_prefix_with_a_folder_marker_object_works(
         **s3_server.storage_options(),
     )  # fmt: skip
     assert sorted(sdk.find("")) == ["a.bin", "d0/f", "d1/f", "d2/f", "d3/f"]
+
+
+def listed_view(folder: Path) -> dict[str, tuple[int, int]]:
+    """name -> (mode, size), from one listing (scandir), then the entries' stats (from that listing)."""
+    return {e.name: (e.stat(follow_symlinks=False).st_mode, e.stat().st_size) for e in os.scandir(folder)}
+
+
+def test_folders_without_stored_attributes_need_no_head_per_file(
+    s3_server: SeaweedS3, bucket: str, tmp_path: Path, raw_s3: s3fs.S3FileSystem
+) -> None:
+    """A read-write mount (the default) HEADs listed files only in folders where pffs stored attributes
+    (it marks them): a dataset written by another tool is listed as a --read-only mount lists it."""
+    files = {f"{bucket}/data/{i:02d}.bin": pattern(1000 + i, seed=i) for i in range(20)}
+    raw_s3.pipe(files)
+    with s3_mount(s3_server, bucket, tmp_path) as mount:
+        before = mount.stats()["backend_requests"]["head"]["requests"]
+        shown = listed_view(mount.path / "data")
+        assert shown == {p.rsplit("/", 1)[1]: (stat.S_IFREG | 0o644, len(d)) for p, d in files.items()}
+        for name in shown:
+            data = (mount.path / "data" / name).read_bytes()
+            assert sha256(data) == sha256(files[f"{bucket}/data/{name}"])
+        heads = mount.stats()["backend_requests"]["head"]["requests"] - before
+        assert heads <= 2, f"{heads} HEADs for 20 listed files"
+        os.chmod(mount.path / "data" / "03.bin", 0o600)  # stores attributes: marks data/
+        (mount.path / "out").mkdir()
+        (mount.path / "out" / "written").write_bytes(b"by pffs")
+        os.chmod(mount.path / "out" / "written", 0o640)
+        assert ".pffs-attributes" not in os.listdir(mount.path / "data")
+    assert raw_s3.cat(f"{bucket}/data/.pffs-attributes") == b""
+    # A new mount (an empty cache, nothing remembered) shows them from the listing of a marked folder.
+    with s3_mount(s3_server, bucket, tmp_path, name="again") as mount:
+        assert listed_view(mount.path / "data")["03.bin"] == (stat.S_IFREG | 0o600, 1003)
+        assert listed_view(mount.path / "out") == {"written": (stat.S_IFREG | 0o640, 7)}
+        assert not (mount.path / "data" / ".pffs-attributes").exists()
+        # rm -r of a marked folder leaves nothing behind (the marker goes with the folder).
+        shutil.rmtree(mount.path / "out")
+        assert not (mount.path / "out").exists()
+    assert raw_s3.find(f"{bucket}/out") == []
+
+
+def test_head_every_file_shows_attributes_s3fs_fuse_stored_in_unmarked_folders(
+    s3_server: SeaweedS3, bucket: str, tmp_path: Path, raw_s3: s3fs.S3FileSystem
+) -> None:
+    """s3fs-fuse stores attributes without pffs's marker: listed, they show with --head-every-file (one HEAD
+    per file, as s3fs-fuse pays), and as the defaults without it."""
+    for i in range(3):
+        raw_s3.pipe_file(f"{bucket}/theirs/{i}", b"x" * i, Metadata={"mode": str(stat.S_IFREG | 0o700)})
+    with s3_mount(s3_server, bucket, tmp_path, "--head-every-file") as mount:
+        assert {mode for mode, _ in listed_view(mount.path / "theirs").values()} == {stat.S_IFREG | 0o700}
+        assert mount.stats()["backend_requests"]["head"]["requests"] >= 3
+    with s3_mount(s3_server, bucket, tmp_path, name="default") as mount:
+        assert {mode for mode, _ in listed_view(mount.path / "theirs").values()} == {stat.S_IFREG | 0o644}

@@ -31,6 +31,10 @@ class BackendOptions(BaseModel):
     # Block fetches through pffs's own S3 client (pffs.backends.s3_native) rather than botocore's: the
     # same requests for a fraction of the CPU. Off when `extra` options could change how requests go.
     native_s3_gets: bool = True
+    # Where a mount keeps POSIX attributes, a listed file is HEADed for them only in folders that carry
+    # the marker pffs writes beside attributes it stores (pffs.backends.backend.ATTRIBUTES_MARKER); with
+    # this, in every folder, as s3fs-fuse does (for buckets s3fs-fuse wrote): --head-every-file.
+    head_every_file: bool = False
     # Passed through untouched to fsspec for non-S3 backends (hdfs host/port, webhdfs user, ...).
     extra: dict[str, Any] = Field(default_factory=dict)
 

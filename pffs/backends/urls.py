@@ -47,7 +47,13 @@ def open_backend(url: str, options: BackendOptions | None = None) -> tuple[Backe
     retry = RetryPolicy(timeout_s=options.backend_timeout)
     if protocol == "s3":
         native = options.native_s3_gets and not options.extra
-        s3 = S3Backend("s3", partial(_make_s3fs, options), retry, native_gets=native)
+        s3 = S3Backend(
+            "s3",
+            partial(_make_s3fs, options),
+            retry,
+            native_gets=native,
+            head_every_file=options.head_every_file,
+        )
         return s3, rest.strip("/")
     if protocol == "file":
         path = rest if rest.startswith("/") else "/" + rest

@@ -24,6 +24,7 @@ BACKEND_OPTIONS = {
     "credentials_file": "credentials_file",
     "anonymous": "anonymous",
     "backend_timeout": "backend_timeout",
+    "head_every_file": "head_every_file",
 }
 
 

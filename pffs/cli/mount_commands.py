@@ -77,8 +77,17 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
         "--fixed-modes",
         action="store_true",
         help="show the owner and modes below for every file instead of those stored with each object "
-        "(S3: modes, owners and times kept as s3fs-fuse keeps them, read with one HEAD per file); no "
+        "(S3: modes, owners and times kept as s3fs-fuse keeps them, read with a HEAD per listed file in "
+        "folders where pffs stored some); no "
         "chmod, chown, symlinks or FIFOs. For read-only datasets: listings alone show them",
+    )
+    p.add_argument(
+        "--head-every-file",
+        action="store_true",
+        default=None,
+        help="S3, read-write: HEAD every listed file for the modes, owners and times stored with it, as "
+        "s3fs-fuse does (for folders s3fs-fuse wrote). Without it, only folders where pffs stored "
+        "attributes (marked by a .pffs-attributes object) pay a HEAD per file; others show the defaults",
     )
     p.add_argument("--allow-other", action="store_true", help="let other users see the mount")
     p.add_argument(

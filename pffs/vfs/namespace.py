@@ -6,8 +6,10 @@ HEAD; and once a directory has needed several HEADs within the metadata TTL, it 
 gives names, sizes and ETags of everything in it), which turns a walk over many files into a few LISTs.
 
 Where the mount keeps POSIX attributes (`posix`: modes, owners and times stored with each object, see
-pffs.backends.posix_metadata), a LIST is not enough to show an entry, since it carries no metadata: such
-an entry is HEADed once (then trusted for the metadata TTL like any stat).
+pffs.backends.posix_metadata), a LIST is not enough to show an entry of a folder where attributes are
+stored, since it carries no metadata: such an entry is HEADed once (then trusted for the metadata TTL like
+any stat). The backend says which listed entries store none (S3: a folder without pffs's attributes
+marker), and those need no HEAD.
 """
 
 from __future__ import annotations
