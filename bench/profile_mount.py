@@ -11,10 +11,10 @@ mount's CPU-ms per file, backend requests per file by kind, and the functions wh
 self time (the leaf frame) and by inclusive time (any frame), as shares of the samples. Every file is
 checked against its sha256.
 
-A second py-spy samples only the thread holding the GIL: the share of the mount's busy samples that hold
-it is work one process can do on one core at most, whatever the node has. From it and the CPU per file,
-a model of one mount on a 32-core node: files/s <= 1000 / (GIL share x CPU-ms per file), and
-<= 32 x 1000 / CPU-ms per file.
+A second py-spy samples only the thread holding the GIL: its samples over the wall time's give the share
+of the time the GIL was held, work one process does on one core at most, whatever the node has. From
+its ms per file and the CPU per file, a model of one mount on a 32-core node: files/s <= 1000 / GIL-ms
+per file, and <= 32 x 1000 / CPU-ms per file.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from pffs.testing.s3_server import SeaweedS3
 
 VENV_BIN = Path(sys.executable).parent
 SIZE = 128 << 10
+RATE = 100  # py-spy samples per second
 
 
 def cpu_seconds(pid: int) -> float:
@@ -90,7 +91,7 @@ def summarize(raw: Path, top: int) -> dict[str, Any]:
 def py_spy(pid: int, output: Path, *extra: str) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
         [
-            *(str(VENV_BIN / "py-spy"), "record", "--pid", str(pid), "--rate", "100"),
+            *(str(VENV_BIN / "py-spy"), "record", "--pid", str(pid), "--rate", str(RATE)),
             *("--format", "raw", "--output", str(output), "--nonblocking", *extra),
         ],
         stdout=subprocess.DEVNULL,
@@ -147,17 +148,21 @@ def profile_mode(
         for kind, row in stats["backend_requests"].items()
     }
     profile, holding_gil = summarize(raw, args.top), summarize(gil, args.top)
-    gil_share = holding_gil["samples"] / profile["samples"] if profile["samples"] else 0.0
+    # py-spy samples at RATE while the files are read: the samples that found the GIL held, over all the
+    # samples the wall time gives, is the share of the time some thread held it.
+    gil_held = min(1.0, holding_gil["samples"] / (RATE * wall))
+    gil_ms = gil_held * wall * 1000 / len(expected)
     cpu_ms = cpu * 1000 / len(expected)
     return {
         "files_per_s": round(len(expected) / wall, 1),
         "mount_cpu_ms_per_file": round(cpu_ms, 3),
         "mount_cores_busy": round(cpu / wall, 3),
-        "gil_share_of_busy_samples": round(gil_share, 3),
+        "gil_held_share_of_wall": round(gil_held, 3),
+        "gil_held_ms_per_file": round(gil_ms, 3),
         # What one mount process could serve with cores enough: its GIL-held work is serial (one core at
-        # most), the rest spreads. files/s <= 1000 / (gil_share x CPU-ms per file); and <= cores x 1000 /
-        # CPU-ms per file for a node's cores (MODEL_CORES).
-        "model": model(cpu_ms, gil_share),
+        # most), the rest spreads. files/s <= 1000 / GIL-ms per file; and <= cores x 1000 / CPU-ms per
+        # file for a node's cores (MODEL_CORES).
+        "model": model(cpu_ms, gil_ms),
         "backend_requests_per_file": requests,
         "profile": profile,
         "profile_holding_gil": holding_gil,
@@ -167,8 +172,8 @@ def profile_mode(
 MODEL_CORES = 32
 
 
-def model(cpu_ms_per_file: float, gil_share: float) -> dict[str, float]:
-    serial_cap = 1000 / (gil_share * cpu_ms_per_file) if gil_share > 0 else float("inf")
+def model(cpu_ms_per_file: float, gil_ms_per_file: float) -> dict[str, float]:
+    serial_cap = 1000 / gil_ms_per_file if gil_ms_per_file > 0 else float("inf")
     cores_cap = MODEL_CORES * 1000 / cpu_ms_per_file
     return {
         "files_per_s_capped_by_gil": round(serial_cap, 1),
@@ -211,8 +216,9 @@ def main() -> None:
             f"requests/file {figures['backend_requests_per_file']}"
         )
         print(
-            f"  mount cores busy {figures['mount_cores_busy']}, GIL held in "
-            f"{figures['gil_share_of_busy_samples']:.1%} of busy samples; model: {figures['model']}"
+            f"  mount cores busy {figures['mount_cores_busy']}, "
+            f"GIL held {figures['gil_held_share_of_wall']:.1%} of the time "
+            f"({figures['gil_held_ms_per_file']} ms/file); model: {figures['model']}"
         )
         print("  self time:", ", ".join(f"{n} {s:.1%}" for n, s in figures["profile"]["self"][:10]))
         print("  inclusive:", ", ".join(f"{n} {s:.1%}" for n, s in figures["profile"]["inclusive"][:10]))

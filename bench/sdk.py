@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import fcntl
 import hashlib
 import json
 import os
@@ -63,6 +64,13 @@ PHASE_TIMEOUT_S = 300.0
 RESULT_MARKER = "BENCH_RESULT "
 SEED = 20240601  # the datasets' bytes are the same on every run
 DISK_LABELS = {"ceiling_local_disk": "4MiB reads", "ceiling_local_disk_x8": f"{THREADS}x4MiB preads"}
+# The peer in its own virtualenv (it pins torch), made on first use and reused after.
+PEER = "s3torchconnector"
+PEER_REQUIREMENT = "s3torchconnector==1.5.0"
+PEER_PACKAGES = ("s3torchconnector", "s3torchconnectorclient", "torch")
+PEER_VENV = Path.home() / ".cache" / "pffs-tools" / "venvs" / PEER
+PEER_INSTALL_TIMEOUT_S = 3600.0
+PEER_REGION = "us-east-1"  # SeaweedFS takes any region; the CRT client needs one
 # glibc: one arena, no mmap for blocks up to 32 MiB and no trimming, so the heap touched by prefault() is
 # reused by every thread instead of fresh, page-faulting memory.
 MALLOC_ENV = {
