@@ -1,7 +1,9 @@
-"""Benchmark of the pffs SDK against plain s3fs and fsspec's own caches, on a local SeaweedFS S3 server.
+"""Benchmark of the pffs SDK against plain s3fs, fsspec's own caches and s3torchconnector, on a local
+SeaweedFS S3 server.
 
     .venv/bin/python bench/sdk.py                                       # 1 GiB object, 2000 x 128 KiB files
     .venv/bin/python bench/sdk.py --large-size 256M --small-count 500   # quick run
+    .venv/bin/python bench/sdk.py --large-size 64M --small-count 200 --repeats 1 --out /tmp/sdkq  # smoke run
 
 The datasets are written once; then every phase runs in its own subprocess (so each starts with an empty
 pffs memory tier), after the page cache is dropped. Before each phase the server's own data files are read
@@ -20,9 +22,26 @@ halved local-disk throughput), phase processes use one malloc arena and a pre-to
 cost what they cost a consumer that drops what it read.
 
 ceiling_local_disk (sequential 4 MiB reads) is the disk target's reference; ceiling_local_disk_x8 (8 threads
-of 4 MiB preads, as read-ahead does) is shown for comparison only.
+of 4 MiB preads, as read-ahead does) is shown for comparison only. ceiling_native_gets (8 x 8 MiB ranged
+GETs) and ceiling_native_small_gets (each small file in one GET, 8 threads) use pffs's own S3 client
+without a cache: the references of the cold targets.
 
-Exit code 1 if any read did not match its sha256 or a phase failed; missing a target is reported, exit 0.
+s3torchconnector (AWS's PyTorch connector, CRT-based; issue 31's peer) has no cache, so it has one variant,
+"direct": the large object in sequential 4 MiB reads of its default reader, and each small file read whole
+(as S3MapDataset[i].read() does, with the size from one listing) by 1 and by 8 threads; pffs small cold
+runs with 8 threads as well, to be compared with it. It pins torch, so it lives in its own virtualenv,
+~/.cache/pffs-tools/venvs/s3torchconnector: reused when s3torchconnector imports there, else made on first
+use (a log line says so) with pip from PyPI. PyPI has no CPU-only torch wheel, so that install brings
+torch's default wheel and its CUDA libraries: 5.4 GB, 2.5 minutes on the dev machine. Its phases run in that
+virtualenv's python (this file's --phase mode imports no pffs at module level). When it cannot be made
+(no network), the peer is skipped: the JSON's "skipped" and the table say why, and the run goes on.
+
+Every client's CPU (user + system seconds of its process, every thread, while the clock ran) is reported
+per GiB and per 1,000 files; issue 31's targets: pffs cold (large, small) >= 1.2 x s3torchconnector at no
+more CPU per unit, and >= 0.8 x the ceiling, printed as MET / MISSED.
+
+Exit code 1 if any read did not match its sha256 or a phase failed (a failed s3torchconnector phase is
+reported, and the run goes on); missing a target is reported, exit 0.
 Writes bench/results/sdk.json and bench/results/sdk.png, and prints a table.
 """
 
@@ -353,6 +372,19 @@ def phase_ceiling_native_gets(spec: Spec) -> list[Result]:
     return [large_result("ceiling_native_gets", variant, parts, wall, cpu, spec)]  # type: ignore[arg-type]
 
 
+def phase_ceiling_native_small_gets(spec: Spec) -> list[Result]:
+    """Every small file in one GET each, 8 threads, through pffs's own S3 client (no cache)."""
+    getter = native_getter(spec.endpoint_url, spec.key, spec.secret)
+    keys = sorted(spec.small)
+    raw = bytearray(spec.small_size * len(keys))
+    raw[::4096] = b"\1" * len(range(0, len(raw), 4096))  # touched: no page faults on the clock
+    buffer = memoryview(raw)
+    parts, wall, cpu = timed(lambda: native_whole_gets(getter, BUCKET, keys, buffer, spec.small_size))
+    times = (wall, cpu, 0.0)  # the keys are known: no listing
+    result = small_result("ceiling_native_small_gets", "GETs, pffs's client", keys, parts, times, spec)
+    return [{**result, "threads": THREADS}]
+
+
 def phase_ceiling_local_disk(spec: Spec) -> list[Result]:
     def read() -> list[bytes]:
         with open(spec.local_large, "rb", buffering=0) as f:
@@ -396,14 +428,69 @@ def phase_cached(kind: str, dataset: str, stage: str, threads: int, spec: Spec) 
     return [measure(stage), measure("warm")]
 
 
+# The peer's phases run in its own virtualenv's python (see peer_environment), which has no pffs: they
+# import only the peer.
+def peer_client(spec: Spec) -> Any:
+    """s3torchconnector's S3 client, the one its S3MapDataset, S3IterableDataset and S3Checkpoint make:
+    path-style addressing (SeaweedFS), credentials from the environment as its docs say."""
+    # Set here, from the spec file (mode 0600), so that they never reach a child's argv or environment.
+    os.environ.update(
+        AWS_ACCESS_KEY_ID=spec.key, AWS_SECRET_ACCESS_KEY=spec.secret, AWS_EC2_METADATA_DISABLED="true"
+    )
+    from s3torchconnector import S3ClientConfig
+    from s3torchconnector._s3client import S3Client
+
+    config = S3ClientConfig(force_path_style=True)
+    return S3Client(PEER_REGION, endpoint=spec.endpoint_url, s3client_config=config)
+
+
+def peer_list(client: Any, prefix: str, delimiter: str = "") -> list[Any]:
+    """The ObjectInfo of every object under prefix, as S3MapDataset.from_prefix lists them."""
+    return [info for page in client.list_objects(BUCKET, prefix, delimiter) for info in page.object_info]
+
+
+def phase_peer_large(spec: Spec) -> list[Result]:
+    """The large object, sequential 4 MiB reads of its default (sequential) reader, as S3Checkpoint.reader
+    or an S3IterableDataset item gives it."""
+    client = peer_client(spec)
+    # One listing of the bucket's top, outside the clock, as Client.warm_up: a connected client, and
+    # the object's size (an S3MapDataset item has it from its listing: no HEAD).
+    info = next(i for i in peer_list(client, "", "/") if i.key == LARGE_KEY)
+    parts, wall, cpu = timed(lambda: read_stream(client.get_object(BUCKET, LARGE_KEY, object_info=info)))
+    return [large_result(PEER, "direct", parts, wall, cpu, spec)]
+
+
+def phase_peer_small(threads: int, spec: Spec) -> list[Result]:
+    """Each small file read whole, as S3MapDataset[i].read() does, by `threads` threads."""
+    client = peer_client(spec)
+    peer_list(client, "", "/")  # outside the clocks, as Client.warm_up
+    infos, list_seconds, _ = timed(lambda: peer_list(client, f"{SMALL_PREFIX}/"))
+
+    def get(info: Any) -> bytes:
+        return bytes(client.get_object(BUCKET, info.key, object_info=info).read())
+
+    if threads == 1:
+        datas, wall, cpu = timed(lambda: [get(i) for i in infos])
+    else:
+        with ThreadPoolExecutor(threads) as pool:
+            datas, wall, cpu = timed(lambda: list(pool.map(get, infos)))
+    keys = [i.key for i in infos]
+    result = small_result(PEER, "direct", keys, datas, (wall, cpu, list_seconds), spec)
+    return [{**result, "threads": threads}]
+
+
 def build_phases() -> dict[str, Callable[[Spec], list[Result]]]:
     phases: dict[str, Callable[[Spec], list[Result]]] = {
         "ceiling_ranged_gets": phase_ceiling_ranged_gets,
         "ceiling_native_gets": phase_ceiling_native_gets,
+        "ceiling_native_small_gets": phase_ceiling_native_small_gets,
         "ceiling_local_disk": phase_ceiling_local_disk,
         "ceiling_local_disk_x8": phase_ceiling_local_disk_parallel,
         "s3fs.large": partial(phase_s3fs_plain, "large"),
         "s3fs.small": partial(phase_s3fs_plain, "small"),
+        f"{PEER}.large": phase_peer_large,
+        f"{PEER}.small": partial(phase_peer_small, 1),
+        f"{PEER}.small.threads{THREADS}": partial(phase_peer_small, THREADS),
     }
     for kind in CACHED_CLIENTS:
         for dataset in ("large", "small"):
@@ -413,6 +500,7 @@ def build_phases() -> dict[str, Callable[[Spec], list[Result]]]:
         phases[f"{kind}.small.warm_disk.threads{THREADS}"] = partial(
             phase_cached, kind, "small", "warm_disk", THREADS
         )
+    phases[f"pffs.small.cold.threads{THREADS}"] = partial(phase_cached, "pffs", "small", "cold", THREADS)
     return phases
 
 
@@ -428,11 +516,78 @@ def prefault(nbytes: int) -> None:
 def run_phase(name: str, spec_path: str) -> int:
     """Subprocess side: run one phase, print its results as one JSON line on stdout."""
     spec = Spec.load(spec_path)
-    kept = spec.large_size if ".small" not in name else spec.small_size * len(spec.small)
+    kept = spec.large_size if "small" not in name else spec.small_size * len(spec.small)
     prefault(2 * kept + (512 << 20))  # what the phase keeps, plus a memory tier's worth
     results = PHASES[name](spec)
     print(RESULT_MARKER + json.dumps(results), flush=True)
     return 0
+
+
+# -- the peer's virtualenv (parent side) --------------------------------------------------------------------
+def peer_versions(python: Path) -> dict[str, str] | None:
+    """The peer's package versions as its virtualenv's python sees them; None if s3torchconnector does not
+    import there."""
+    probe = (
+        "import json, importlib.metadata as m, s3torchconnector; "
+        f"print(json.dumps({{p: m.version(p) for p in {PEER_PACKAGES!r}}}))"
+    )
+    try:
+        done = subprocess.run(
+            [str(python), "-c", probe], capture_output=True, text=True, timeout=300, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if done.returncode != 0:
+        return None
+    versions: dict[str, str] = json.loads(done.stdout.strip().splitlines()[-1])
+    return versions
+
+
+def install_peer(venv: Path) -> str | None:
+    """Makes the virtualenv and installs the peer into it; None when done, else why not (the last lines of
+    pip's error)."""
+    shutil.rmtree(venv, ignore_errors=True)  # a half-made one from an interrupted install
+    steps = (
+        [sys.executable, "-m", "venv", str(venv)],  # from this venv's base interpreter
+        [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check",
+         "--no-cache-dir", "--timeout", "60", PEER_REQUIREMENT],
+    )  # fmt: skip
+    for cmd in steps:
+        try:
+            done = subprocess.run(
+                cmd, capture_output=True, text=True, timeout=PEER_INSTALL_TIMEOUT_S, check=False
+            )
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            error = str(exc)
+        else:
+            if done.returncode == 0:
+                continue
+            error = " | ".join((done.stderr or done.stdout).strip().splitlines()[-3:])
+        shutil.rmtree(venv, ignore_errors=True)
+        return f"{shlex.join(cmd[:4])} failed: {error}"
+    return None
+
+
+def peer_environment(venv: Path = PEER_VENV) -> Result:
+    """The peer's virtualenv, reused when s3torchconnector imports there, else made now (once: torch's
+    default wheel and its CUDA libraries are several GB). {"python": ..., "versions": ...} or, when it
+    cannot be made (no network), {"reason": ...}: the peer is then skipped, the run goes on."""
+    python = venv / "bin" / "python"
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    with open(venv.parent / f".{venv.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one install at a time; a second bench waits, then reuses it
+        versions = peer_versions(python)
+        if versions is None:
+            log(f"creating the {PEER} virtualenv in {venv} ({PEER_REQUIREMENT}, with torch; once, minutes)")
+            started = time.monotonic()
+            failed = install_peer(venv)
+            versions = None if failed else peer_versions(python)
+            if versions is None:
+                reason = failed or f"{PEER} installed but does not import"
+                log(f"{PEER} skipped: {reason}")
+                return {"reason": reason}
+            log(f"made {venv} in {time.monotonic() - started:.0f}s")
+    return {"python": str(python), "versions": versions}
 
 
 # -- the run (parent side) ----------------------------------------------------------------------------------
@@ -456,10 +611,13 @@ def rewarm_server(data_dir: Path) -> None:
                     pass
 
 
-def run_subprocess_phase(name: str, spec: Spec, spec_path: Path, server_data: Path) -> list[Result]:
+def run_subprocess_phase(
+    name: str, spec: Spec, spec_path: Path, server_data: Path, python: str = sys.executable
+) -> list[Result]:
     kind, _, rest = name.partition(".")
-    if rest.endswith(".cold"):  # a cold phase starts from an empty cache directory
-        shutil.rmtree(spec.cache_dir(kind, rest.split(".")[0]), ignore_errors=True)
+    dataset, _, stage = rest.partition(".")
+    if stage.split(".")[0] == "cold":  # a cold phase starts from an empty cache directory
+        shutil.rmtree(spec.cache_dir(kind, dataset), ignore_errors=True)
     if name in DISK_LABELS:
         # Written again just before it is read, as every cache's files are by its cold phase: this VM's
         # disk reads data written a while ago several times slower than data written just before.
@@ -468,7 +626,7 @@ def run_subprocess_phase(name: str, spec: Spec, spec_path: Path, server_data: Pa
     rewarm_server(server_data)
     log(f"phase {name}")
     done = subprocess.run(
-        [sys.executable, str(Path(__file__).resolve()), "--phase", name, "--spec", str(spec_path)],
+        [python, str(Path(__file__).resolve()), "--phase", name, "--spec", str(spec_path)],
         stdout=subprocess.PIPE,
         text=True,
         timeout=PHASE_TIMEOUT_S,
@@ -491,19 +649,28 @@ def phase_order() -> list[str]:
     order = [
         "ceiling_ranged_gets",
         "ceiling_native_gets",
+        "ceiling_native_small_gets",
         "ceiling_local_disk",
         "ceiling_local_disk_x8",
         "s3fs.large",
         "s3fs.small",
+        f"{PEER}.large",
+        f"{PEER}.small",
+        f"{PEER}.small.threads{THREADS}",
     ]
     for kind in CACHED_CLIENTS:
         order += [f"{kind}.{d}.{s}" for d in ("large", "small") for s in ("cold", "warm_disk")]
-    return [*order, f"pffs.small.warm_disk.threads{THREADS}", f"filecache.small.warm_disk.threads{THREADS}"]
+    return [
+        *order,
+        f"pffs.small.warm_disk.threads{THREADS}",
+        f"filecache.small.warm_disk.threads{THREADS}",
+        f"pffs.small.cold.threads{THREADS}",  # last: it empties the cache pffs.small.warm_disk reads
+    ]
 
 
 def phase_plan(repeats: int) -> list[str]:
     """Rounds of every phase; the small-file cold phases only in the first round (they are slow)."""
-    return [n for r in range(repeats) for n in phase_order() if r == 0 or not n.endswith(".small.cold")]
+    return [n for r in range(repeats) for n in phase_order() if r == 0 or ".small.cold" not in n]
 
 
 def write_local_large(local: Path, size: int) -> str:
@@ -556,7 +723,10 @@ def generate_data(s3: Any, workdir: Path, args: argparse.Namespace) -> Spec:
     )
 
 
-def run_all_phases(args: argparse.Namespace, workdir: Path) -> list[Result]:
+def run_all_phases(
+    args: argparse.Namespace, workdir: Path, peer: Result
+) -> tuple[list[Result], list[Result]]:
+    """Every phase's results, and the peer's phases that failed (the run goes on without them)."""
     from pffs.testing.s3_server import SeaweedS3
 
     log(f"starting SeaweedFS in {workdir}")
@@ -566,11 +736,22 @@ def run_all_phases(args: argparse.Namespace, workdir: Path) -> list[Result]:
         spec_path.write_text(json.dumps(asdict(spec)))
         spec_path.chmod(0o600)  # it holds the (throwaway) server credentials
         plan = phase_plan(args.repeats)
+        if "python" not in peer:
+            plan = [n for n in plan if not n.startswith(f"{PEER}.")]
         results: list[Result] = []
+        failures: list[Result] = []
+        server_data = workdir / "s3" / "data"
         for i, name in enumerate(plan, 1):
             log(f"[{i}/{len(plan)}]")
-            results += run_subprocess_phase(name, spec, spec_path, workdir / "s3" / "data")
-        return results
+            if not name.startswith(f"{PEER}."):
+                results += run_subprocess_phase(name, spec, spec_path, server_data)
+                continue
+            try:
+                results += run_subprocess_phase(name, spec, spec_path, server_data, peer["python"])
+            except (RuntimeError, subprocess.TimeoutExpired) as exc:
+                log(f"  {exc}")
+                failures.append({"client": PEER, "phase": name, "error": str(exc)})
+        return results, failures
 
 
 # -- report -------------------------------------------------------------------------------------------------
@@ -624,15 +805,59 @@ def add_ratios(results: list[Result]) -> None:
             r["vs_filecache_warm_disk"] = round(r["files_per_s"] / fc_disk["files_per_s"], 3)
 
 
-def target(name: str, num: Result, den: Result, threshold: float) -> Result:
-    key = metric(num)
+def find_optional(
+    results: list[Result], client: str, dataset: str, variant: str, threads: int = 1
+) -> Result | None:
+    try:
+        return find_result(results, client, dataset, variant, threads)
+    except StopIteration:
+        return None
+
+
+def cpu_key(r: Result) -> str:
+    """CPU-s per 1,000 files (small) or per GiB (large): what a client costs per unit of what it reads."""
+    return "cpu_s_per_kfile" if r["dataset"] == "small" else "cpu_s_per_gib"
+
+
+CPU_UNITS = {"cpu_s_per_kfile": "CPU-s/1000 files", "cpu_s_per_gib": "CPU-s/GiB"}
+
+
+def add_cpu_and_peer_ratios(results: list[Result]) -> None:
+    """Every row's CPU-s per GiB (and per 1,000 files for small files); then, where the peer read the same
+    dataset with as many threads, throughput and CPU per unit over the peer's."""
+    for r in results:
+        if r["bytes"]:
+            r["cpu_s_per_gib"] = round(r["cpu_seconds"] / (r["bytes"] / (1 << 30)), 3)
+        if r["dataset"] == "small":
+            r["cpu_s_per_kfile"] = round(r["cpu_seconds"] * 1000 / r["files"], 3)
+    for r in results:
+        peer = find_optional(results, PEER, r["dataset"], "direct", r["threads"])
+        if peer is None or r is peer:
+            continue
+        r[f"vs_{PEER}"] = round(r[metric(r)] / peer[metric(r)], 3)
+        if peer.get(cpu_key(r)):
+            r[f"cpu_vs_{PEER}"] = round(r[cpu_key(r)] / peer[cpu_key(r)], 3)
+
+
+def target(
+    name: str, num: Result | None, den: Result | None, threshold: float, key: str = "", lower: bool = False
+) -> Result:
+    """num[key] / den[key] against threshold: >= it, or <= it where lower is better (CPU)."""
+    if num is None or den is None:
+        return {"target": name, "pass": None, "note": "not measured"}
+    key = key or metric(num)
     ratio = num[key] / den[key]
+    measured = (
+        f"{num[key]:.2f} / {den[key]:.2f} {CPU_UNITS[key]}"
+        if key in CPU_UNITS
+        else f"{num[key]:.0f} / {den[key]:.0f} {key.replace('_per_s', '/s')}"
+    )
     return {
         "target": name,
-        "measured": f"{num[key]:.0f} / {den[key]:.0f} {key.replace('_per_s', '/s')}",
+        "measured": measured,
         "ratio": round(ratio, 3),
         "threshold": threshold,
-        "pass": ratio >= threshold,
+        "pass": ratio <= threshold if lower else ratio >= threshold,
     }
 
 
@@ -642,8 +867,30 @@ def compute_targets(results: list[Result]) -> list[Result]:
 
     native = get("ceiling_native_gets", "large", f"{PARALLEL_GETS}x{RANGE >> 20}MiB, pffs's client")
     disk = get("ceiling_local_disk", "large", DISK_LABELS["ceiling_local_disk"])
+    x8 = f"x{THREADS}thr"
+    pffs_large, pffs_small = get("pffs", "large", "cold"), get("pffs", "small", "cold")
+    pffs_small_x8 = find_result(results, "pffs", "small", "cold", THREADS)
+    peer_large = find_optional(results, PEER, "large", "direct")
+    peer_small = find_optional(results, PEER, "small", "direct")
+    peer_small_x8 = find_optional(results, PEER, "small", "direct", THREADS)
+    native_small = find_result(results, "ceiling_native_small_gets", "small", "GETs, pffs's client", THREADS)
     return [
-        target("pffs large cold >= 0.8 x ceiling_native_gets", get("pffs", "large", "cold"), native, 0.8),
+        # Issue 31: the SDK with its defaults against s3torchconnector, and against the ceilings.
+        target(f"pffs large cold >= 1.2 x {PEER}", pffs_large, peer_large, 1.2),
+        target(f"pffs small cold >= 1.2 x {PEER}", pffs_small, peer_small, 1.2),
+        target(f"pffs small cold {x8} >= 1.2 x {PEER} {x8}", pffs_small_x8, peer_small_x8, 1.2),
+        target(f"pffs CPU large cold <= 1 x {PEER}", pffs_large, peer_large, 1.0, "cpu_s_per_gib", True),
+        target(f"pffs CPU small cold <= 1 x {PEER}", pffs_small, peer_small, 1.0, "cpu_s_per_kfile", True),
+        target(
+            f"pffs CPU small cold {x8} <= 1 x {PEER} {x8}",
+            pffs_small_x8,
+            peer_small_x8,
+            1.0,
+            "cpu_s_per_kfile",
+            True,
+        ),
+        target(f"pffs small cold {x8} >= 0.8 x ceiling_native_small_gets", pffs_small_x8, native_small, 0.8),
+        target("pffs large cold >= 0.8 x ceiling_native_gets", pffs_large, native, 0.8),
         target(
             "pffs large warm_disk (fresh process, page cache dropped) >= 0.8 x ceiling_local_disk",
             get("pffs", "large", "warm_disk"),
@@ -728,6 +975,8 @@ def table_row(r: Result) -> tuple[str, ...]:
         ratio = f"{r['vs_ranged_gets']:.2f}G {r['vs_local_disk']:.2f}D"
     else:
         ratio = f"{r['vs_filecache_warm']:.2f}Fw {r['vs_filecache_warm_disk']:.2f}Fd"
+    per_unit = r.get(cpu_key(r))
+    vs_peer, cpu_vs_peer = r.get(f"vs_{PEER}"), r.get(f"cpu_vs_{PEER}")
     return (
         r["client"],
         r["dataset"],
@@ -737,10 +986,13 @@ def table_row(r: Result) -> tuple[str, ...]:
         f"{r['seconds']:.2f}",
         f"{r['cpu_seconds']:.2f}",
         f"{r['sys_seconds']:.2f}",
+        "-" if per_unit is None else f"{per_unit:.2f}",
         f"{r['mb_per_s']:.0f}",
         f"{r['files_per_s']:.0f}" if key == "files_per_s" else "",
         f"{r['min']:.0f}-{r['max']:.0f}",
         ratio,
+        "-" if vs_peer is None else f"{vs_peer:.2f}",
+        "-" if cpu_vs_peer is None else f"{cpu_vs_peer:.2f}",
         "yes" if r["verified"] else "NO",
         tiers(r),
     )
@@ -756,10 +1008,13 @@ def print_table(report: Result) -> None:
         "secs",
         "cpu_s",
         "sys_s",
+        "cpu/unit",
         "MB/s",
         "files/s",
         "range",
         "ratio",
+        "x s3tc",
+        "cpu x s3tc",
     )
     rows = [(*header, "ok", "pffs mem/disk/miss"), *(table_row(r) for r in report["results"])]
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
@@ -773,11 +1028,19 @@ def print_table(report: Result) -> None:
         "(Fw, 2nd pass in the same process), x filecache warm_disk (Fd, fresh process)",
         "small files: reads only, after one listing (list_seconds in the JSON); "
         "cpu_s (sys_s: of which kernel): the client process",
+        "cpu/unit: CPU-s per GiB (large) or per 1000 files (small); x s3tc: MB/s or files/s over "
+        f"{PEER}'s with as many threads; cpu x s3tc: cpu/unit over {PEER}'s (lower is better)",
     ):
         print(note)
     print()
     for t in report["targets"]:
-        print(f"{'PASS' if t['pass'] else 'FAIL'}  {t['target']}: {t['ratio']:.2f} ({t['measured']})")
+        status = {True: "MET   ", False: "MISSED", None: "N/A   "}[t["pass"]]
+        detail = f"{t['ratio']:.2f} ({t['measured']})" if t["pass"] is not None else t["note"]
+        print(f"{status} {t['target']}: {detail}")
+    for s in report["skipped"]:
+        print(f"SKIPPED {s['client']}: {s['reason']}")
+    for f in report["failures"]:
+        print(f"FAILED {f['client']} {f['phase']}: {f['error'][:300]}")
     print(f"\ncommand: {report['command']}")
     verified = "yes" if report["verified"] else "NO"
     print(f"all reads verified (sha256): {verified}; pffs at {report['machine']['pffs_git']}")
@@ -794,7 +1057,7 @@ def plot(report: Result, path: Path) -> None:
     fig, (ax_large, ax_small) = plt.subplots(2, 1, figsize=(14, 10))
     large = [r for r in results if r["dataset"] == "large" and not r["client"].startswith("ceiling")]
     _bars(ax_large, large)
-    ceilings = [r for r in results if r["client"].startswith("ceiling")]
+    ceilings = [r for r in results if r["client"].startswith("ceiling") and r["dataset"] == "large"]
     for r, style in zip(ceilings, ("--", (0, (6, 2)), ":", "-."), strict=True):
         ax_large.axhline(
             r["mb_per_s"], color="black", linestyle=style, label=f"{r['client']}: {r['mb_per_s']:.0f}"
@@ -802,13 +1065,18 @@ def plot(report: Result, path: Path) -> None:
     ax_large.legend(loc="upper left", fontsize=8)
     ax_large.set_ylabel("MB/s (10^6 B/s), log scale")
     ax_large.set_title(f"one {cfg['large_size'] >> 20} MiB object, sequential 4 MiB reads (median, min-max)")
-    _bars(ax_small, [r for r in results if r["dataset"] == "small"])
+    _bars(ax_small, [r for r in results if r["dataset"] == "small" and not r["client"].startswith("ceiling")])
+    for r in results:
+        if r["dataset"] == "small" and r["client"].startswith("ceiling"):
+            name = f"{r['client']} ({r['threads']} threads): {r['files_per_s']:.0f}"
+            ax_small.axhline(r["files_per_s"], color="black", linestyle="--", label=name)
+            ax_small.legend(loc="upper left", fontsize=8)
     ax_small.set_ylabel("files/s, log scale")
     ax_small.set_title(
         f"{cfg['small_count']} files x {cfg['small_size'] >> 10} KiB, cat_file after one listing"
     )
     fig.suptitle(
-        f"pffs SDK vs s3fs and fsspec caches, local SeaweedFS S3, {report['machine']['nproc']} cores"
+        f"pffs SDK vs s3fs, fsspec caches and {PEER}, local SeaweedFS S3, {report['machine']['nproc']} cores"
     )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -816,7 +1084,13 @@ def plot(report: Result, path: Path) -> None:
 
 
 def _bars(ax: Any, rows: list[Result]) -> None:
-    colors = {"s3fs": "tab:gray", "blockcache": "tab:blue", "filecache": "tab:orange", "pffs": "tab:green"}
+    colors = {
+        "s3fs": "tab:gray",
+        "blockcache": "tab:blue",
+        "filecache": "tab:orange",
+        "pffs": "tab:green",
+        PEER: "tab:red",
+    }
     key = metric(rows[0])
     xs = list(range(len(rows)))
     values = [r[key] for r in rows]
@@ -828,14 +1102,17 @@ def _bars(ax: Any, rows: list[Result]) -> None:
         xs, values, yerr=spread, capsize=2, color=[colors.get(r["client"], "tab:purple") for r in rows]
     )
     ax.bar_label(bars, labels=[f"{v:.0f}" for v in values], fontsize=7)
-    ax.set_xticks(xs, [label(r) for r in rows], fontsize=7)
+    ax.set_xticks(xs, [label(r) for r in rows], fontsize=7, rotation=20, ha="right")
     ax.set_yscale("log")  # memory-tier and cold figures differ by orders of magnitude
     ax.grid(axis="y", which="major", alpha=0.3)
 
 
-def build_report(args: argparse.Namespace, runs: list[Result], seconds: float) -> Result:
+def build_report(
+    args: argparse.Namespace, runs: list[Result], seconds: float, peer: Result, failures: list[Result]
+) -> Result:
     results = aggregate(runs)
     add_ratios(results)
+    add_cpu_and_peer_ratios(results)
     return {
         "command": " ".join([shlex.quote(sys.executable), *map(shlex.quote, sys.argv)]),
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -852,6 +1129,9 @@ def build_report(args: argparse.Namespace, runs: list[Result], seconds: float) -
             "phase_env": MALLOC_ENV,
             "mb": MB,
         },
+        "peer": {"client": PEER, "requirement": PEER_REQUIREMENT, "venv": str(PEER_VENV), **peer},
+        "skipped": [{"client": PEER, "reason": peer["reason"]}] if "reason" in peer else [],
+        "failures": failures,
         "verified": all(r["verified"] for r in results),
         "targets": compute_targets(results),
         "results": results,
@@ -864,17 +1144,18 @@ def run_benchmark(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     if args.workdir:
         Path(args.workdir).mkdir(parents=True, exist_ok=True)
+    peer = peer_environment()
     workdir = Path(tempfile.mkdtemp(prefix="pffs-bench-", dir=args.workdir))
     try:
-        runs = run_all_phases(args, workdir)
+        runs, failures = run_all_phases(args, workdir, peer)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    report = build_report(args, runs, time.monotonic() - started)
+    report = build_report(args, runs, time.monotonic() - started, peer, failures)
     (out / "sdk.json").write_text(json.dumps(report, indent=2) + "\n")
     plot(report, out / "sdk.png")
     print_table(report)
     log(f"wrote {out / 'sdk.json'} and {out / 'sdk.png'}")
-    return 0 if report["verified"] else 1
+    return 0 if report["verified"] and not failures else 1
 
 
 def size_arg(value: str) -> int:

@@ -34,6 +34,7 @@ from pffs.csi.metrics import MounterMetrics, serve_http
 from pffs.csi.mount_runner import MountRunner
 from pffs.fuse.launch import MountStartError, options_with_credentials
 from pffs.fuse.options import MountOptions
+from pffs.processes import until_stopped
 
 log = logging.getLogger(__name__)
 
@@ -190,17 +191,8 @@ def serve_mounter(
             return None if serving.is_alive() else f"the mounter no longer answers on {socket_path}"
 
         serve_http(metrics_address, metrics_port, metrics.registry, health)
-    stopping = threading.Event()
-
-    def on_signal(signum: int, frame: Any) -> None:
-        log.info("%s: stopping every mount of this node", signal.Signals(signum).name)
-        stopping.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
     log.info("pffs mounter serving on %s", socket_path)
-    while not stopping.wait(1.0):
-        runner.reap()
+    until_stopped("stopping every mount of this node", runner.reap)
     server.shutdown()
     server.server_close()  # callers now get "refused" at once, not a call that waits for nothing
     socket_path.unlink(missing_ok=True)

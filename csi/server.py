@@ -8,8 +8,6 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import os
-import signal
-import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,6 +25,7 @@ from pffs.csi.node import NodeServicer
 from pffs.csi.periodic import Periodic
 from pffs.csi.registration import KubeletRegistration
 from pffs.csi.volumes import MountStarter, NodeConfig, VolumeManager
+from pffs.processes import until_stopped
 
 log = logging.getLogger(__name__)
 
@@ -235,16 +234,7 @@ class Plugin:
 
 def serve(options: PluginOptions) -> int:
     plugin = Plugin(options)
-    stopping = threading.Event()
-
-    def on_signal(signum: int, frame: Any) -> None:
-        log.info("%s: stopping (mounts keep running)", signal.Signals(signum).name)
-        stopping.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
     plugin.start()
-    while not stopping.wait(1.0):  # a timed wait lets the signal handler run promptly
-        pass
+    until_stopped("stopping (mounts keep running)")
     plugin.stop()
     return 0

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import signal
+import threading
+from collections.abc import Callable
 
 
 def is_alive(pid: object) -> bool:
@@ -53,3 +57,18 @@ def is_mount_process(pid: object, supervisor_too: bool = False) -> bool:
     titles = [MOUNT_TITLE + " "] + ([SUPERVISOR_TITLE + " "] if supervisor_too else [])
     # b"pffs.cli.mount_daemon": a mount started by a pffs that set no title (before an upgrade)
     return any(cmdline.startswith(t.encode()) for t in titles) or b"pffs.cli.mount_daemon" in cmdline
+
+
+def until_stopped(what: str, every_second: Callable[[], object] = lambda: None) -> None:
+    """Returns on SIGTERM or SIGINT, logging "SIGTERM: {what}"; calls every_second meanwhile (a timed wait
+    also lets the signal handler run promptly)."""
+    stopping = threading.Event()
+
+    def on_signal(signum: int, frame: object) -> None:
+        logging.getLogger(__name__).info("%s: %s", signal.Signals(signum).name, what)
+        stopping.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    while not stopping.wait(1.0):
+        every_second()
