@@ -14,7 +14,7 @@ from pathlib import Path
 
 from .aligned import aligned_copy
 from .disk_tier import DiskTier
-from .file_lock import StripedFileLocks
+from .file_lock import BlockLocks, StripedFileLocks, block_locks
 from .fork import after_fork_in_child, in_worker_process
 from .memory_tier import MemoryTier
 from .single_flight import SingleFlight
@@ -40,7 +40,7 @@ class BlockCache:
         `keep_stored_bound`: the disk tier keeps the bound it was last given (see DiskTier)."""
         self.directory = Path(directory) if directory is not None else None
         self.disk: DiskTier | None = None
-        self.locks: StripedFileLocks | None = None
+        self.locks: BlockLocks | StripedFileLocks | None = None
         if self.directory is not None:
             try:
                 self.directory.mkdir(parents=True, exist_ok=True)
@@ -48,7 +48,7 @@ class BlockCache:
                 self.disk = DiskTier(
                     self.directory, disk_capacity_bytes, self.stats, direct_io, keep_stored_bound
                 )
-                self.locks = StripedFileLocks(self.directory / "locks")
+                self.locks = block_locks(self.directory / "locks")
             except (OSError, sqlite3.Error) as exc:
                 log.warning(
                     "disk cache %s is not usable (%s); caching in memory only. "

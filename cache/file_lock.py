@@ -1,8 +1,16 @@
 """Cross-process block locks: two processes missing the same block fetch it once.
 
-Locks are striped over a fixed set of lock files (a block key hashes to one), so the lock directory never
-grows. flock() locks belong to the open file, so each acquisition opens its own descriptor: nothing is shared
-between threads or carried across fork. An unrelated block that hashes to the same stripe only waits a little.
+BlockLocks: one lock file, and a lock per block on one byte of it (an open file description lock,
+F_OFD_SETLKW, at an offset the key hashes to, out of 2^62): no file opened per block, and two blocks wait
+for each other only if their 62-bit hashes meet. A lock is held from the fetch until the block is on disk
+(the disk writer releases it), so it was the striped locks below that made a cold reader wait: with 1,024
+stripes and tens of blocks waiting for the disk, a new block met a held stripe often enough to spend 18% of
+8 readers' time in acquire (py-spy; mean 2.7 ms per block, p99 64 ms). StripedFileLocks stays as the
+fallback for file systems without OFD locks.
+
+StripedFileLocks: locks striped over a fixed set of lock files (a block key hashes to one), so the lock
+directory never grows. flock() locks belong to the open file, so each acquisition opens its own descriptor:
+nothing is shared between threads or carried across fork.
 """
 
 from __future__ import annotations
@@ -10,7 +18,9 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import functools
+import hashlib
 import os
+import struct
 import threading
 import zlib
 from collections.abc import Callable, Iterator
@@ -73,3 +83,71 @@ class StripedFileLocks:
         with self._held_lock:
             self._held.discard(fd)
             os.close(fd)  # closing the (last) descriptor releases the lock
+
+
+LOCK_FILE = "blocks.lock"  # in the locks folder, beside the striped locks' files
+_FLOCK = struct.Struct("hh4xqqi4x")  # struct flock on 64-bit Linux: type, whence, start, len, pid
+
+
+def block_locks(directory: str | Path) -> BlockLocks | StripedFileLocks:
+    """BlockLocks where the file system has OFD locks, else StripedFileLocks."""
+    try:
+        return BlockLocks(directory)
+    except (OSError, AttributeError):  # no F_OFD_* here, or the file system refuses them
+        return StripedFileLocks(directory)
+
+
+class BlockLocks:
+    def __init__(self, directory: str | Path) -> None:
+        self.path = Path(directory) / LOCK_FILE
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._fd = self._open()
+        try:
+            self._lock_byte(fcntl.F_OFD_SETLK, fcntl.F_WRLCK, 0)  # works here: then unlock it again
+            self._lock_byte(fcntl.F_OFD_SETLK, fcntl.F_UNLCK, 0)
+        except OSError:
+            os.close(self._fd)
+            raise
+        hold_across_fork(self._before_fork, self._after_fork, self._in_child)
+
+    def _open(self) -> int:
+        return os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+
+    def _before_fork(self) -> None:
+        pass
+
+    def _after_fork(self) -> None:
+        pass
+
+    def _in_child(self) -> None:
+        # The inherited descriptor shares the parent's open file description, so the parent's locks would
+        # count as the child's own. The child locks through a description of its own (closing its copy of
+        # the parent's releases nothing: the parent still holds it).
+        inherited, self._fd = self._fd, self._open()
+        with contextlib.suppress(OSError):
+            os.close(inherited)
+
+    def _lock_byte(self, command: int, kind: int, offset: int, fd: int | None = None) -> None:
+        fcntl.fcntl(self._fd if fd is None else fd, command, _FLOCK.pack(kind, os.SEEK_SET, offset, 1, 0))
+
+    @contextlib.contextmanager
+    def hold(self, key: str) -> Iterator[None]:
+        release = self.acquire(key)
+        try:
+            yield
+        finally:
+            release()
+
+    def acquire(self, key: str) -> Callable[[], None]:
+        """Takes the key's lock (waiting for another process that holds it); returns the function that
+        releases it (from any thread, once)."""
+        offset = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "big") >> 2
+        fd = self._fd
+        self._lock_byte(fcntl.F_OFD_SETLKW, fcntl.F_WRLCK, offset, fd)  # waits, without the GIL
+        return functools.partial(self._release, fd, offset)
+
+    def _release(self, fd: int, offset: int) -> None:
+        if fd != self._fd:  # taken before a fork, released in the child: the parent's to release
+            return
+        with contextlib.suppress(OSError):
+            self._lock_byte(fcntl.F_OFD_SETLK, fcntl.F_UNLCK, offset, fd)

@@ -81,6 +81,9 @@ class Backend:
         _LIVE_BACKENDS.add(self)
 
     authority = ""  # host:port where the URL names one (hdfs://namenode:8020): shown in messages
+    # Which store this is, the same on every node that reads it ("s3 http://10.0.0.5:8333"): members of a
+    # cache group serve each other blocks of the same origin only. None: not shared (local files).
+    origin: str | None = None
 
     @property
     def fs(self) -> fsspec.AbstractFileSystem:

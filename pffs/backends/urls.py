@@ -54,6 +54,7 @@ def open_backend(url: str, options: BackendOptions | None = None) -> tuple[Backe
             native_gets=native,
             head_every_file=options.head_every_file,
         )
+        s3.origin = f"s3 {options.endpoint_url or 'aws'}"
         return s3, rest.strip("/")
     if protocol == "file":
         path = rest if rest.startswith("/") else "/" + rest
@@ -91,6 +92,8 @@ def open_backend(url: str, options: BackendOptions | None = None) -> tuple[Backe
     backend = backend_cls(protocol, make_fs, retry)
     if from_url.get("host"):  # the URL names a server (hdfs://namenode:8020/path): messages name it too
         backend.authority = urlsplit(url).netloc
+    if protocol != "memory":
+        backend.origin = f"{protocol} {backend.authority}"
     return backend, path
 
 

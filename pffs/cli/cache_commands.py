@@ -114,6 +114,19 @@ def mount_stats(mountpoint: str, as_json: bool) -> int:
         ("files fetched ahead (directory prefetch)", f"{report.get('files_prefetched', 0):,}"),
         ("open files", f"{report['open_files']}"),
     ]
+    if "peers" in report:
+        peers = report["peers"]
+        rows += [
+            (
+                "cache group: fetched from / served to members",
+                f"{peers['fetched_blocks']:,} blocks ({format_size(peers['fetched_bytes'])}) / "
+                f"{peers['served_blocks']:,} blocks ({format_size(peers['served_bytes'])})",
+            ),
+            (
+                "cache group: failures (then from the backend) / refused",
+                f"{peers['failures']} / {peers['refused']}",
+            ),
+        ]
     width = max(len(name) for name, _ in rows)
     for name, value in rows:
         print(f"{name:<{width}}  {value}")

@@ -89,6 +89,33 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
         "s3fs-fuse does (for folders s3fs-fuse wrote). Without it, only folders where pffs stored "
         "attributes (marked by a .pffs-attributes object) pay a HEAD per file; others show the defaults",
     )
+    group = p.add_argument_group(
+        "cache group",
+        "share blocks with pffs on other nodes: each block is fetched from the backend by its owner among "
+        "the members, once, and served to the others (see the README's 'Cache groups')",
+    )
+    group.add_argument(
+        "--peers",
+        metavar="HOST:PORT,...",
+        help="every member that serves blocks (this mount too, if it does)",
+    )
+    group.add_argument(
+        "--peer-listen",
+        metavar="HOST:PORT",
+        help="serve this mount's blocks to the members on this address, as it appears in --peers; "
+        "without it the mount only reads from the group",
+    )
+    group.add_argument(
+        "--peer-token-file",
+        metavar="FILE",
+        help="a file holding the group's shared token (at least 16 characters, e.g. openssl rand -hex 32)",
+    )
+    group.add_argument(
+        "--peer-timeout",
+        type=float,
+        metavar="SECONDS",
+        help="how long a member may take to answer before the block comes from the backend (default 2)",
+    )
     p.add_argument("--allow-other", action="store_true", help="let other users see the mount")
     p.add_argument(
         "--uid", type=int, help="owner of files that have none stored (default: the mounting user)"
@@ -156,11 +183,29 @@ def mount_options(args: argparse.Namespace) -> MountOptions:
             metrics_port=args.metrics_port,
             metrics_address=args.metrics_address,
             prefetch_dirs=args.prefetch_dirs,
+            peers=peer_options(args),
             log_file=Path(log_file) if log_file else None,
             verbose=min(2, getattr(args, "verbose", 0) or 0),
         )
     except ValidationError as exc:
         raise BadOptionError(settings_error(exc).replace("_", "-")) from None
+
+
+def peer_options(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The cache group's settings from --peers, --peer-listen, --peer-token-file, --peer-timeout."""
+    if not args.peers:
+        if args.peer_listen or args.peer_token_file:
+            raise BadOptionError("--peer-listen and --peer-token-file need --peers (the group's members)")
+        return None
+    if args.peer_token_file is None:
+        raise BadOptionError("--peers needs --peer-token-file: a file holding the group's shared token")
+    given = {
+        "members": [m for m in args.peers.split(",") if m.strip()],
+        "listen": args.peer_listen,
+        "token_file": Path(args.peer_token_file).expanduser().resolve(),
+        "timeout_s": args.peer_timeout,
+    }
+    return {k: v for k, v in given.items() if v is not None}
 
 
 def prepare_mountpoint(path: Path) -> None:

@@ -63,6 +63,15 @@ class MountCollector(Collector):
             "small files fetched ahead by directory prefetch",
             value=report.get("files_prefetched", 0),
         )
+        if "peers" in report:  # a cache group's traffic (pffs.peers.group.COUNTERS)
+            peers = CounterMetricFamily(
+                "pffs_peer",
+                "blocks and bytes fetched from and served to cache-group members",
+                labels=["what"],
+            )
+            for name, value in report["peers"].items():
+                peers.add_metric([name], value)
+            yield peers
 
 
 def start_metrics_server(report: Callable[[], dict[str, Any]], address: str, port: int) -> None:

@@ -94,6 +94,8 @@ def _mount_and_serve(
         root_info = vfs.stat(root)  # the backend answers, the credentials work, the source exists
         if not root_info.is_dir:
             raise NotADirectoryError(20, f"{options.source} is an object, not a directory or prefix")
+        if options.peers is not None:
+            vfs.join_group(options.peers, root)
         staging = Staging(options.cache.cache_dir / "staging", backend)
         for left in staging.leftovers():
             log.warning(

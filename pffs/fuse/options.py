@@ -11,6 +11,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from pffs.backends.options import BackendOptions
 from pffs.config import CacheSettings
+from pffs.peers.settings import PeerSettings
 
 
 def _octal(value: Any) -> int:
@@ -50,5 +51,6 @@ class MountOptions(BaseModel):
     metrics_port: int | None = Field(None, ge=1, le=65535)
     metrics_address: str = "127.0.0.1"
     prefetch_dirs: bool = Field(True, description="fetch ahead the small files of a directory being read")
+    peers: PeerSettings | None = Field(None, description="the cache group this mount joins (pffs.peers)")
     log_file: Path | None = None
     verbose: int = Field(0, ge=0, le=2)

@@ -17,7 +17,13 @@ from fsspec.spec import AbstractBufferedFile
 
 from pffs.backends.backend import ObjectInfo
 from pffs.backends.urls import open_backend, split_url
-from pffs.sdk.options import CACHE_FIELDS, backend_options, cache_settings, check_passed_through
+from pffs.sdk.options import (
+    CACHE_FIELDS,
+    backend_options,
+    cache_settings,
+    check_passed_through,
+    peer_settings,
+)
 from pffs.vfs.vfs import OpenObject, Vfs
 
 
@@ -50,6 +56,7 @@ class PffsFileSystem(ChainedFileSystem):
     ) -> None:
         target_options, target_protocol = _unwrap_chained(target_options, target_protocol)
         cache_opts = {k: options.pop(k) for k in list(options) if k in CACHE_FIELDS}
+        group = peer_settings(options)
         backend_opts = backend_options({**(target_options or {}), **options})
         super().__init__()
         check_passed_through(split_url(target)[0] if target else target_protocol or "", backend_opts)
@@ -64,6 +71,7 @@ class PffsFileSystem(ChainedFileSystem):
                 "pffs needs a target: target='s3://bucket/prefix' or a chained URL 'pffs::s3://...'"
             )
         self.vfs = Vfs(backend, cache_settings(cache_opts))
+        self.peers = None if group is None else self.vfs.join_group(group, self.root)
 
     # -- paths ---------------------------------------------------------------------------------------------
     @classmethod

@@ -16,6 +16,7 @@ from pydantic import ValidationError
 from pffs.backends.errors import BadOptionError
 from pffs.backends.options import BackendOptions
 from pffs.config import CacheSettings, settings_error
+from pffs.peers.settings import PeerSettings
 
 S3FS_NAMES = {
     "key": "access_key_id",
@@ -69,7 +70,7 @@ def check_passed_through(protocol: str, options: BackendOptions) -> None:
     unknown = sorted(set(options.extra) - taken - FSSPEC_COMMON)
     if not unknown:
         return
-    names = sorted(BACKEND_FIELDS | CACHE_FIELDS | set(S3FS_NAMES) | taken)
+    names = sorted(BACKEND_FIELDS | CACHE_FIELDS | set(S3FS_NAMES) | set(PEER_OPTIONS) | taken)
     hints = []
     for name in unknown:
         close = difflib.get_close_matches(name, names, n=1)
@@ -85,3 +86,32 @@ def cache_settings(raw: dict[str, Any]) -> CacheSettings:
         return CacheSettings(**{k: v for k, v in raw.items() if v is not None})
     except ValidationError as exc:
         raise BadOptionError(f"bad cache option: {settings_error(exc)}") from None
+
+
+# A cache group (pffs.peers): peers="10.0.0.7:9830,10.0.0.8:9830" (or a list), peer_listen (this process's
+# own member address; none: it reads from the group and serves nothing), peer_token or peer_token_file,
+# peer_timeout (seconds).
+PEER_OPTIONS = {
+    "peers": "members",
+    "peer_listen": "listen",
+    "peer_token": "token",
+    "peer_token_file": "token_file",
+    "peer_timeout": "timeout_s",
+}
+
+
+def peer_settings(options: dict[str, Any]) -> PeerSettings | None:
+    """Takes the cache-group options out of `options`; None if it names no peers."""
+    given = {PEER_OPTIONS[k]: options.pop(k) for k in list(options) if k in PEER_OPTIONS}
+    if not given:
+        return None
+    members = given.get("members")
+    if isinstance(members, str):
+        given["members"] = [m for m in members.split(",") if m.strip()]
+    try:
+        return PeerSettings(**given)
+    except ValidationError as exc:
+        message = settings_error(exc)
+        for option, field in PEER_OPTIONS.items():
+            message = message.replace(field, option)
+        raise BadOptionError(f"bad cache-group option: {message}") from None

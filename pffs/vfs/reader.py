@@ -17,6 +17,7 @@ from pffs.backends.backend import Backend, ObjectInfo
 from pffs.cache import Block, BlockCache
 from pffs.cache.aligned import aligned_buffer
 from pffs.cache.fork import after_fork_in_child
+from pffs.peers.group import PeerGroup
 from pffs.vfs.byte_ranges import covered_bytes
 from pffs.vfs.pieces import PieceReader
 from pffs.vfs.readahead import ReadAheadBudget, ReadAheadState
@@ -38,6 +39,7 @@ class ObjectReader:
         self.budget = ReadAheadBudget(readahead_bytes)
         self.workers = workers
         self.pieces = PieceReader(backend, cache)
+        self.peers: PeerGroup | None = None  # a cache group's members, asked before the backend
         self._pool: ThreadPoolExecutor | None = None
         self._pool_pid = 0
         self._pool_lock = threading.Lock()
@@ -71,18 +73,27 @@ class ObjectReader:
         start = index * self.block_size
         return start, min(start + self.block_size, info.size)
 
-    def block(self, info: ObjectInfo, index: int, keep_in_memory: bool = True) -> Block:
+    def block(
+        self, info: ObjectInfo, index: int, keep_in_memory: bool = True, *, ask_peers: bool = True
+    ) -> Block:
+        """One block, from memory, disk, its owner in the cache group (unless `ask_peers` is False: a
+        member asking this process, which owns it) or the backend."""
         start, end = self.block_range(info, index)
+        key = self.key(info, index)
         return self.cache.get(
-            self.key(info, index),
-            lambda: self._fetch(info, start, end),
+            key,
+            lambda: self._fetch(info, start, end, key if ask_peers else None),
             length=end - start,
             keep_in_memory=keep_in_memory,
         )
 
-    def _fetch(self, info: ObjectInfo, start: int, end: int) -> Block:
+    def _fetch(self, info: ObjectInfo, start: int, end: int, key: str | None = None) -> Block:
         # Into a page-aligned buffer, which the disk tier writes with O_DIRECT.
-        return self.backend.read_range(info, start, end, into=aligned_buffer(end - start))
+        into = aligned_buffer(end - start)
+        peers = self.peers
+        if key is not None and peers is not None and peers.fetch(peers.request(key, info, start, end), into):
+            return into
+        return self.backend.read_range(info, start, end, into=into)
 
     def read(self, info: ObjectInfo, offset: int, length: int, state: ReadAheadState | None = None) -> bytes:
         """Bytes [offset, offset+length) of the version `info` names, clipped at the end of the object."""

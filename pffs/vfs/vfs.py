@@ -8,13 +8,18 @@ import os
 import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from pffs.backends.backend import Backend, ObjectInfo
-from pffs.backends.errors import ObjectChangedError
+from pffs.backends.errors import BadOptionError, ObjectChangedError
 from pffs.cache import Block, BlockCache
 from pffs.cache.fork import after_fork_in_child
 from pffs.config import CacheSettings, format_size
+from pffs.peers.group import PeerGroup
+from pffs.peers.protocol import BlockRequest
+from pffs.peers.server import PeerServer
+from pffs.peers.settings import PeerSettings
 from pffs.vfs.metadata import MetadataCache
 from pffs.vfs.readahead import ReadAheadState
 from pffs.vfs.reader import ObjectReader
@@ -60,6 +65,45 @@ class Vfs:
             settings.fetch_workers,
         )
         after_fork_in_child(self.metadata.reset_after_fork)
+
+    # A cache group (pffs.peers)
+
+    def join_group(self, settings: PeerSettings, root: str) -> PeerGroup:
+        """Asks the group's members for blocks before the backend, and serves them the blocks of objects
+        under `root` (this process's dataset) if it listens. The process keeps both for its life."""
+        origin = self.backend.origin
+        if origin is None:
+            raise BadOptionError(f"{self.backend.url(root)}: local files are not shared with a cache group")
+        try:
+            group = PeerGroup(settings, origin)
+        except ValueError as exc:
+            raise BadOptionError(str(exc)) from None
+        if settings.listen is not None:
+            host, _, port = settings.listen.rpartition(":")
+            try:
+                PeerServer(
+                    (host.strip("[]"), int(port)), group.token, partial(self._serve_block, root), group.counts
+                ).start()
+            except OSError as exc:
+                raise BadOptionError(
+                    f"cannot serve the cache group on {settings.listen}: {exc.strerror}"
+                ) from None
+        self.reader.peers = group
+        return group
+
+    def _serve_block(self, root: str, request: BlockRequest) -> Block | None:
+        """A member's request: the block, if it is of this backend, under `root`, and keyed as here."""
+        inside = not root or request.path == root or request.path.startswith(root.rstrip("/") + "/")
+        climbs = any(part in (".", "..") for part in request.path.split("/"))  # a way out of `root`
+        if request.origin != self.backend.origin or not inside or climbs:
+            return None
+        info = request.object_info()
+        index = request.start // self.reader.block_size
+        if (request.start, request.end) != self.reader.block_range(info, index):
+            return None  # another block size
+        if self.reader.key(info, index) != request.key:
+            return None
+        return self.reader.block(info, index, ask_peers=False)
 
     def stat(self, path: str, *, fresh: bool = False) -> ObjectInfo:
         info = None if fresh else self.metadata.get(path)

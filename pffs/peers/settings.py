@@ -1,0 +1,68 @@
+"""How a process joins a cache group: its members, where it serves, the shared token."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+
+ADDRESS = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.-]+):(\d{1,5})$")
+
+
+def check_address(value: str) -> str:
+    found = ADDRESS.match(value.strip())
+    if found is None or not 0 < int(found.group(2)) < 65536:
+        raise ValueError(f"{value!r} is not HOST:PORT (e.g. 10.0.0.7:9830)")
+    return value.strip()
+
+
+class PeerSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    members: tuple[str, ...] = Field(
+        min_length=1, description="HOST:PORT of every member that serves blocks (this one too, if it does)"
+    )
+    listen: str | None = Field(
+        None,
+        description="HOST:PORT this process serves on, as it appears in `members`; None: it only reads "
+        "from the group (--no-share)",
+    )
+    token: SecretStr | None = Field(None, description="the group's shared token")
+    token_file: Path | None = Field(None, description="a file holding the group's shared token")
+    timeout_s: float = Field(2.0, gt=0, le=60, description="seconds a member may take to answer")
+
+    @field_validator("members")
+    @classmethod
+    def _addresses(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(check_address(v) for v in value))
+
+    @field_validator("listen")
+    @classmethod
+    def _listen_address(cls, value: str | None) -> str | None:
+        return None if value is None else check_address(value)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> PeerSettings:
+        if (self.token is None) == (self.token_file is None):
+            raise ValueError("give the group's token either inline (token) or in a file (token_file)")
+        if self.listen is not None and self.listen not in self.members:
+            raise ValueError(f"listen address {self.listen} is not one of the members {list(self.members)}")
+        return self
+
+    def token_bytes(self) -> bytes:
+        """The token (read from its file each time it is asked for: once, when the group starts)."""
+        if self.token is not None:
+            raw = self.token.get_secret_value()
+        else:
+            assert self.token_file is not None
+            try:
+                raw = self.token_file.read_text()
+            except OSError as exc:
+                raise ValueError(
+                    f"cannot read the peer token file {self.token_file}: {exc.strerror}"
+                ) from None
+        token = raw.strip().encode()
+        if len(token) < 16:
+            raise ValueError("the peer token must be at least 16 characters (e.g. `openssl rand -hex 32`)")
+        return token
