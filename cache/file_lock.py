@@ -31,7 +31,22 @@ from .fork import hold_across_fork
 STRIPES = 1024
 
 
-class StripedFileLocks:
+class KeyLocks:
+    """What both kinds of lock give: acquire(key) -> release(), and hold(key) around a block of code."""
+
+    def acquire(self, key: str) -> Callable[[], None]:
+        raise NotImplementedError
+
+    @contextlib.contextmanager
+    def hold(self, key: str) -> Iterator[None]:
+        release = self.acquire(key)
+        try:
+            yield
+        finally:
+            release()
+
+
+class StripedFileLocks(KeyLocks):
     def __init__(self, directory: str | Path) -> None:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -56,14 +71,6 @@ class StripedFileLocks:
                 os.close(fd)  # the child's copy only: the parent still holds the lock
         self._held = set()
         self._held_lock = threading.Lock()
-
-    @contextlib.contextmanager
-    def hold(self, key: str) -> Iterator[None]:
-        release = self.acquire(key)
-        try:
-            yield
-        finally:
-            release()
 
     def acquire(self, key: str) -> Callable[[], None]:
         """Takes the key's lock; returns the function that releases it (from any thread, once)."""
@@ -97,7 +104,7 @@ def block_locks(directory: str | Path) -> BlockLocks | StripedFileLocks:
         return StripedFileLocks(directory)
 
 
-class BlockLocks:
+class BlockLocks(KeyLocks):
     def __init__(self, directory: str | Path) -> None:
         self.path = Path(directory) / LOCK_FILE
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -129,14 +136,6 @@ class BlockLocks:
 
     def _lock_byte(self, command: int, kind: int, offset: int, fd: int | None = None) -> None:
         fcntl.fcntl(self._fd if fd is None else fd, command, _FLOCK.pack(kind, os.SEEK_SET, offset, 1, 0))
-
-    @contextlib.contextmanager
-    def hold(self, key: str) -> Iterator[None]:
-        release = self.acquire(key)
-        try:
-            yield
-        finally:
-            release()
 
     def acquire(self, key: str) -> Callable[[], None]:
         """Takes the key's lock (waiting for another process that holds it); returns the function that
