@@ -61,7 +61,10 @@ class DiskTier:
         self, key: str, start: int = 0, end: int | None = None, length: int | None = None
     ) -> Block | None:
         """The block (of `length` bytes, if given), or bytes [start, end) of it; None if it is not here
-        (or was corrupt: dropped)."""
+        (or was corrupt: dropped). A block still waiting for the disk writer is served from its queue."""
+        waiting = self.writer.pending(key)
+        if waiting is not None and (length is None or len(waiting) == length):
+            return memoryview(waiting)[start:end] if start or end is not None else waiting
         try:
             return self._cache.get_block(key, start, end, length)
         except (OSError, sqlite3.Error) as exc:

@@ -43,6 +43,10 @@ class DiskWriter:
     def _reset(self) -> None:
         # A forked child has no writer thread and must not write what its parent queued.
         self._queue: deque[tuple[str, Block, Future[bool], Then | None]] = deque()
+        # Blocks queued or being written, readable meanwhile: a block fetched ahead is kept only here and
+        # on disk, and a reader (or a cache-group member) asking for it before it is on disk must not
+        # fetch it again (the second write would also race the first for its file).
+        self._pending: dict[str, Block] = {}
         self._pending_bytes = 0
         self._busy = False
         self._cond = threading.Condition()
@@ -57,6 +61,7 @@ class DiskWriter:
                 self._cond.wait()
             was_empty = not self._queue
             self._queue.append((key, data, done, then))
+            self._pending[key] = data
             self._pending_bytes += len(data)
             if self._thread is None or self._pid != os.getpid():
                 self._pid = os.getpid()
@@ -65,6 +70,11 @@ class DiskWriter:
             if was_empty:  # the writer waits for work; while it lingers for more, let it linger
                 self._cond.notify_all()
         return done
+
+    def pending(self, key: str) -> Block | None:
+        """The block `key` if it is waiting to be written (or being written), else None."""
+        with self._cond:
+            return self._pending.get(key)
 
     def drain(self) -> None:
         """Returns once everything submitted so far is written (or failed)."""
@@ -93,5 +103,8 @@ class DiskWriter:
                     done.set_result(written)
                 with self._cond:
                     self._pending_bytes -= sum(len(data) for _, data, _, _ in batch)
+                    for key, data, _, _ in batch:
+                        if self._pending.get(key) is data:
+                            del self._pending[key]
                     self._busy = False
                     self._cond.notify_all()

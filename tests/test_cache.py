@@ -128,6 +128,38 @@ def test_blocks_survive_a_new_cache_object_and_count_tier_hits(tmp_path: Path) -
     assert (totals["misses"], totals["memory_hits"], totals["disk_hits"]) == (1, 1, 1)
 
 
+def test_a_block_waiting_for_the_disk_writer_is_not_fetched_again(tmp_path: Path) -> None:
+    """A block kept out of memory (read-ahead) is on its way to disk: asked for again before it is written
+    (by the reader, or a cache-group member), it comes from the writer's queue, not from the backend."""
+    cache = BlockCache(tmp_path / "cache", 64 << 20, 64 << 20)
+    assert cache.disk is not None
+    writing = threading.Event()
+    stored = cache.disk._put_batch
+
+    def slow_disk(blocks: Any) -> bool:
+        writing.wait(10)
+        return stored(blocks)
+
+    cache.disk.writer._write_batch = slow_disk  # the disk takes its time
+    fetches: list[int] = []
+    data = pattern(300_000, seed=3)
+
+    def fetch() -> bytes:
+        fetches.append(1)
+        return data
+
+    try:
+        assert bytes(cache.get("k-0", fetch, keep_in_memory=False)) == data
+        assert bytes(cache.get("k-0", fetch, keep_in_memory=False)) == data  # still queued for the disk
+        assert bytes(cache.get("k-0", fetch, length=len(data))) == data
+        assert len(fetches) == 1
+    finally:
+        writing.set()
+        cache.wait_for_disk()
+    assert bytes(cache.get("k-0", fetch)) == data and len(fetches) == 1
+    cache.close()
+
+
 def test_a_merge_while_a_process_makes_its_counts_file_leaves_the_file_alone(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
