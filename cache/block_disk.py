@@ -246,7 +246,10 @@ class BlockStore(diskcache.Cache):
         room (the limit is smaller than the blocks being written at once) is not kept. Returns the number
         of blocks evicted."""
         now = time.time()
-        wanted = [(key, payload, block_filename(key)) for key, payload in blocks]
+        # One entry per key: a block queued twice (fetched twice) would be written twice to one temporary
+        # file, and the second rename would fail (ENOENT), which turned the disk tier off for a minute.
+        unique = {key: payload for key, payload in reversed(blocks)}
+        wanted = [(key, unique.pop(key), block_filename(key)) for key, _ in blocks if key in unique]
         evicted, reserved = self._reserve(wanted, now)
         written: list[tuple[str, str, str]] = []  # key, filename, temporary path
         try:

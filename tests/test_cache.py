@@ -530,3 +530,14 @@ def test_processes_filling_one_small_cache_at_once_never_hold_more_than_its_boun
             assert sha256(fs.cat_file(path.split("/", 1)[1])) == sha256(data), path
     finally:
         subprocess.run(["umount", "-l", str(cache)], check=False)
+
+
+def test_a_block_queued_twice_in_one_batch_is_written_once_and_the_disk_tier_stays_on(tmp_path: Path) -> None:
+    cache = BlockCache(tmp_path / "cache", 64 << 20, 1 << 20)
+    assert cache.disk is not None
+    data = pattern(200_000, seed=4)
+    assert cache.disk._put_batch([("k-1", data), ("k-1", data), ("k-2", data)])
+    assert bytes(cache.get("k-1", lambda: pytest.fail("on disk"))) == data
+    assert bytes(cache.get("k-2", lambda: pytest.fail("on disk"))) == data
+    assert cache.stats.snapshot()["disk_write_failures"] == 0
+    cache.close()
