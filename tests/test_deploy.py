@@ -754,3 +754,19 @@ def test_example_volumes_speak_pffs() -> None:
     for names in attributes:
         assert set(names) <= VOLUME_ATTRIBUTES, set(names) - VOLUME_ATTRIBUTES
         assert "source" in names
+
+
+def test_every_python_package_of_the_repository_is_installed() -> None:
+    """pyproject.toml lists its packages: a new folder left out of the list imports in the repository's
+    editable install but not in the CSI image (pffs.peers was, at first)."""
+    import tomllib
+
+    root = Path(__file__).resolve().parents[1]
+    config = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+    folders = {name: root / path for name, path in config["package-dir"].items()}
+    found = set()
+    for name, folder in folders.items():
+        for init in folder.rglob("__init__.py"):
+            relative = init.parent.relative_to(folder)
+            found.add(".".join([name, *relative.parts]))
+    assert found - set(config["packages"]) == set()
