@@ -26,7 +26,7 @@ import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from .fork import hold_across_fork
+from .fork import after_fork_in_child, hold_across_fork
 
 STRIPES = 1024
 
@@ -115,16 +115,10 @@ class BlockLocks(KeyLocks):
         except OSError:
             os.close(self._fd)
             raise
-        hold_across_fork(self._before_fork, self._after_fork, self._in_child)
+        after_fork_in_child(self._in_child)
 
     def _open(self) -> int:
         return os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-
-    def _before_fork(self) -> None:
-        pass
-
-    def _after_fork(self) -> None:
-        pass
 
     def _in_child(self) -> None:
         # The inherited descriptor shares the parent's open file description, so the parent's locks would

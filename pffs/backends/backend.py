@@ -444,8 +444,7 @@ class S3Backend(Backend):
         folder = posixpath.dirname(path.rstrip("/"))
         if attributes is None or folder in self._marked:
             return
-        marker = posixpath.join(folder, ATTRIBUTES_MARKER)
-        self._call("put", lambda: self.fs.pipe_file(marker, b"", **self._wait()), marker)
+        self.write_bytes(posixpath.join(folder, ATTRIBUTES_MARKER), b"")  # no attributes: not marked again
         self._marked.add(folder)
 
     def upload(self, local_path: str, path: str, attributes: PosixAttributes | None = None) -> None:

@@ -200,7 +200,7 @@ def peer_options(args: argparse.Namespace) -> dict[str, Any] | None:
     if args.peer_token_file is None:
         raise BadOptionError("--peers needs --peer-token-file: a file holding the group's shared token")
     given = {
-        "members": [m for m in args.peers.split(",") if m.strip()],
+        "members": args.peers,
         "listen": args.peer_listen,
         "token_file": Path(args.peer_token_file).expanduser().resolve(),
         "timeout_s": args.peer_timeout,

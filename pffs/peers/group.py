@@ -18,7 +18,7 @@ from pffs.backends.backend import ObjectInfo
 from pffs.backends.deadline import timeout_left
 from pffs.cache.block_format import CorruptBlockError, check_segments, header_size, parse_header
 from pffs.peers.protocol import BlockRequest, owner_of, signed_headers
-from pffs.peers.settings import PeerSettings
+from pffs.peers.settings import PeerSettings, split_address
 
 log = logging.getLogger(__name__)
 
@@ -148,10 +148,8 @@ class PeerGroup:
         connections = self._connections()
         connection = connections.get(member)
         if connection is None:
-            host, _, port = member.rpartition(":")
-            connection = http.client.HTTPConnection(
-                host.strip("[]"), int(port), timeout=self.settings.timeout_s
-            )
+            host, port = split_address(member)
+            connection = http.client.HTTPConnection(host, port, timeout=self.settings.timeout_s)
             connections[member] = connection
         return connection
 

@@ -74,14 +74,16 @@ class PeerServer:
         if block is None:
             return _reply(handler, 404, b"not served here\n")
         header = block_header(block)
+        # Counted before the write: the member may use the block (and a test read the counts) before
+        # this thread runs again after the last byte went out.
+        self.counts.add("served_blocks")
+        self.counts.add("served_bytes", len(block))
         handler.send_response(200)
         handler.send_header("Content-Type", "application/octet-stream")
         handler.send_header("Content-Length", str(len(header) + len(block)))
         handler.end_headers()
         handler.wfile.write(header)
         handler.wfile.write(block)
-        self.counts.add("served_blocks")
-        self.counts.add("served_bytes", len(block))
 
 
 def _reply(handler: BaseHTTPRequestHandler, status: int, body: bytes) -> None:

@@ -10,6 +10,12 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, m
 ADDRESS = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.-]+):(\d{1,5})$")
 
 
+def split_address(address: str) -> tuple[str, int]:
+    """("10.0.0.7", 9830) from "10.0.0.7:9830" (an IPv6 host without its brackets)."""
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
 def check_address(value: str) -> str:
     found = ADDRESS.match(value.strip())
     if found is None or not 0 < int(found.group(2)) < 65536:
@@ -31,6 +37,12 @@ class PeerSettings(BaseModel):
     token: SecretStr | None = Field(None, description="the group's shared token")
     token_file: Path | None = Field(None, description="a file holding the group's shared token")
     timeout_s: float = Field(2.0, gt=0, le=60, description="seconds a member may take to answer")
+
+    @field_validator("members", mode="before")
+    @classmethod
+    def _listed(cls, value: object) -> object:
+        """ "a:1,b:2" (the command line's and the SDK's form) or a list."""
+        return [m for m in value.split(",") if m.strip()] if isinstance(value, str) else value
 
     @field_validator("members")
     @classmethod

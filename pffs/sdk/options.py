@@ -105,9 +105,6 @@ def peer_settings(options: dict[str, Any]) -> PeerSettings | None:
     given = {PEER_OPTIONS[k]: options.pop(k) for k in list(options) if k in PEER_OPTIONS}
     if not given:
         return None
-    members = given.get("members")
-    if isinstance(members, str):
-        given["members"] = [m for m in members.split(",") if m.strip()]
     try:
         return PeerSettings(**given)
     except ValidationError as exc:

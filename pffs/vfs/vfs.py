@@ -19,7 +19,7 @@ from pffs.config import CacheSettings, format_size
 from pffs.peers.group import PeerGroup
 from pffs.peers.protocol import BlockRequest
 from pffs.peers.server import PeerServer
-from pffs.peers.settings import PeerSettings
+from pffs.peers.settings import PeerSettings, split_address
 from pffs.vfs.metadata import MetadataCache
 from pffs.vfs.readahead import ReadAheadState
 from pffs.vfs.reader import ObjectReader
@@ -79,11 +79,9 @@ class Vfs:
         except ValueError as exc:
             raise BadOptionError(str(exc)) from None
         if settings.listen is not None:
-            host, _, port = settings.listen.rpartition(":")
             try:
-                PeerServer(
-                    (host.strip("[]"), int(port)), group.token, partial(self._serve_block, root), group.counts
-                ).start()
+                serve = partial(self._serve_block, root)
+                PeerServer(split_address(settings.listen), group.token, serve, group.counts).start()
             except OSError as exc:
                 raise BadOptionError(
                     f"cannot serve the cache group on {settings.listen}: {exc.strerror}"
