@@ -28,6 +28,7 @@ from mounts import Mount
 
 from pffs.backends.errors import BadOptionError
 from pffs.cache.block_format import block_header
+from pffs.peers.group import PeerGroup
 from pffs.peers.protocol import BlockRequest, is_signed, owner_of, signed_headers
 from pffs.peers.settings import PeerSettings
 from pffs.testing.s3_server import SeaweedS3
@@ -74,6 +75,28 @@ def test_bad_group_settings_get_one_clear_line() -> None:
             PeerSettings(**given)
     with pytest.raises(ValueError, match="at least 16 characters"):
         PeerSettings(members=("a:1",), token="short").token_bytes()
+
+
+def test_a_members_file_is_read_again_when_it_changes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    listed = tmp_path / "members"
+    listed.write_text("# written by the node plugin\n10.0.0.1:9830\n\n10.0.0.2:9830\n")
+    group = PeerGroup(PeerSettings(members_file=listed, listen="10.0.0.1:9830", token=TOKEN), "s3 x")
+    assert group.members() == ("10.0.0.1:9830", "10.0.0.2:9830")
+    monkeypatch.setattr("pffs.peers.group.RECHECK_S", 0.0)
+    listed.write_text("10.0.0.1:9830\n10.0.0.2:9830\n10.0.0.3:9830\n")
+    assert group.members()[-1] == "10.0.0.3:9830"
+    listed.write_text("10.0.0.1:9830\nnot-an-address\n")  # a bad edit keeps the last members
+    assert len(group.members()) == 3
+    listed.unlink()
+    assert len(group.members()) == 3
+    listed.write_text("10.0.0.2:9830\n")
+    assert group.members() == ("10.0.0.2:9830",)
+    with pytest.raises(ValueError, match="cannot read the members file"):
+        PeerGroup(PeerSettings(members_file=tmp_path / "none", token=TOKEN), "s3 x")
+    with pytest.raises(ValueError, match="name the group's members"):
+        PeerSettings(token=TOKEN)
 
 
 def test_a_request_names_one_block_of_one_version() -> None:
@@ -285,7 +308,8 @@ def test_mounts_in_a_group_fetch_each_block_once_and_a_killed_member_costs_no_by
     s3_server: SeaweedS3, bucket: str, dataset: dict[str, bytes], tmp_path: Path
 ) -> None:
     """Two `pffs mount` processes with --peers (the way a node runs it): the second mount's reads come from
-    the first; then the first is killed (SIGKILL) and a third mount still reads every byte exactly."""
+    the first; then the first is killed (SIGKILL) and a third mount (--peers-file, --no-share) still reads
+    every byte exactly."""
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN + "\n")
     token_file.chmod(0o600)
@@ -296,9 +320,14 @@ def test_mounts_in_a_group_fetch_each_block_once_and_a_killed_member_costs_no_by
         "AWS_SECRET_ACCESS_KEY": s3_server.secret_key,
     }
 
+    members_file = tmp_path / "members"
+    members_file.write_text("\n".join(members) + "\n")
+
     def mount(name: str, listen: str | None) -> Mount:
-        extra = ["--peers", ",".join(members), "--peer-token-file", str(token_file), "--peer-timeout", "1"]
-        extra += ["--peer-listen", listen] if listen else []
+        extra = ["--peer-token-file", str(token_file), "--peer-timeout", "1"]
+        # the servers name the members on the command line; the reader reads them from a file
+        extra += ["--peers", ",".join(members), "--peer-listen", listen] if listen else []
+        extra += [] if listen else ["--peers-file", str(members_file), "--no-share"]
         return Mount(
             f"s3://{bucket}/ds", tmp_path / name, tmp_path / f"cache-{name}", env,
             "--endpoint-url", s3_server.endpoint_url, "--block-size", str(BLOCK), "--read-only", *extra,

@@ -100,10 +100,22 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
         help="every member that serves blocks (this mount too, if it does)",
     )
     group.add_argument(
+        "--peers-file",
+        metavar="FILE",
+        help="a file of members, one HOST:PORT per line, read again when it changes (with or instead of "
+        "--peers; the CSI node plugin writes one from the Nodes it watches)",
+    )
+    group.add_argument(
         "--peer-listen",
         metavar="HOST:PORT",
         help="serve this mount's blocks to the members on this address, as it appears in --peers; "
         "without it the mount only reads from the group",
+    )
+    group.add_argument(
+        "--no-share",
+        action="store_true",
+        help="read from the group but serve nothing (what a mount without --peer-listen does; an "
+        "ephemeral pod's mount, say)",
     )
     group.add_argument(
         "--peer-token-file",
@@ -192,15 +204,22 @@ def mount_options(args: argparse.Namespace) -> MountOptions:
 
 
 def peer_options(args: argparse.Namespace) -> dict[str, Any] | None:
-    """The cache group's settings from --peers, --peer-listen, --peer-token-file, --peer-timeout."""
-    if not args.peers:
-        if args.peer_listen or args.peer_token_file:
-            raise BadOptionError("--peer-listen and --peer-token-file need --peers (the group's members)")
+    """The cache group's settings from --peers, --peers-file, --peer-listen, --no-share, --peer-token-file,
+    --peer-timeout."""
+    if args.no_share and args.peer_listen:
+        raise BadOptionError("--no-share serves nothing: leave out --peer-listen")
+    if not args.peers and not args.peers_file:
+        if args.peer_listen or args.peer_token_file or args.no_share:
+            raise BadOptionError(
+                "--peer-listen, --no-share and --peer-token-file need --peers or --peers-file (the group's "
+                "members)"
+            )
         return None
     if args.peer_token_file is None:
         raise BadOptionError("--peers needs --peer-token-file: a file holding the group's shared token")
     given = {
         "members": args.peers,
+        "members_file": args.peers_file and Path(args.peers_file).expanduser().resolve(),
         "listen": args.peer_listen,
         "token_file": Path(args.peer_token_file).expanduser().resolve(),
         "timeout_s": args.peer_timeout,

@@ -18,11 +18,12 @@ from pffs.backends.backend import ObjectInfo
 from pffs.backends.deadline import timeout_left
 from pffs.cache.block_format import CorruptBlockError, check_segments, header_size, parse_header
 from pffs.peers.protocol import BlockRequest, owner_of, signed_headers
-from pffs.peers.settings import PeerSettings, split_address
+from pffs.peers.settings import PeerSettings, read_members_file, split_address
 
 log = logging.getLogger(__name__)
 
 REST_S = 10.0  # a member that failed is not asked again for this long
+RECHECK_S = 1.0  # how often a members file is looked at (one stat) for a change
 COUNTERS = (
     "fetched_blocks",  # blocks this process got from a member
     "fetched_bytes",
@@ -57,6 +58,49 @@ class PeerGroup:
         self._resting: dict[str, float] = {}  # member -> until when it is not asked
         self._local = threading.local()
         self._pid = os.getpid()
+        self._members = settings.members
+        self._file_seen: tuple[int, int] | None = None  # the members file's (mtime_ns, size) last read
+        self._file_checked = float("-inf")
+        self._file_lock = threading.Lock()
+        if settings.members_file is not None:  # at the start, a file that cannot be used is an error
+            try:
+                read_members_file(settings.members_file)
+            except OSError as exc:
+                raise ValueError(
+                    f"cannot read the members file {settings.members_file}: {exc.strerror}"
+                ) from None
+            self._reread_members_file()
+
+    def members(self) -> tuple[str, ...]:
+        """The members now: the static ones and, with a members file, the ones it lists (looked at again
+        at most every RECHECK_S; a file that cannot be read or holds a bad line keeps the last list)."""
+        due = self.settings.members_file is not None and time.monotonic() - self._file_checked >= RECHECK_S
+        if due and self._file_lock.acquire(blocking=False):  # one reader checks; the others use the last list
+            try:
+                self._reread_members_file()
+            finally:
+                self._file_lock.release()
+        return self._members
+
+    def _reread_members_file(self) -> None:
+        path = self.settings.members_file
+        assert path is not None
+        self._file_checked = time.monotonic()
+        try:
+            st = path.stat()
+            if (st.st_mtime_ns, st.st_size) == self._file_seen:
+                return
+            listed = read_members_file(path)
+        except (OSError, ValueError) as exc:
+            if self._file_seen != (-1, -1):  # said once per failure, not per check
+                log.warning("cache group: cannot use the members file (%s); keeping the last members", exc)
+                self._file_seen = (-1, -1)
+            return
+        members = tuple(dict.fromkeys((*self.settings.members, *listed)))
+        if members != self._members:
+            log.info("cache group: %d members from %s: %s", len(members), path, ", ".join(members))
+        self._members = members
+        self._file_seen = (st.st_mtime_ns, st.st_size)
 
     def request(self, key: str, info: ObjectInfo, start: int, end: int) -> BlockRequest:
         return BlockRequest(
@@ -72,7 +116,7 @@ class PeerGroup:
         )
 
     def owner(self, key: str) -> str | None:
-        return owner_of(key, self.settings.members)
+        return owner_of(key, self.members())
 
     def fetch(self, request: BlockRequest, into: memoryview) -> bool:
         """The block into `into` (exactly end - start bytes) from its owner, verified; False if not."""

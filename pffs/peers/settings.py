@@ -27,7 +27,12 @@ class PeerSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     members: tuple[str, ...] = Field(
-        min_length=1, description="HOST:PORT of every member that serves blocks (this one too, if it does)"
+        (), description="HOST:PORT of every member that serves blocks (this one too, if it does)"
+    )
+    members_file: Path | None = Field(
+        None,
+        description="a file of members, one HOST:PORT per line, read again when it changes (what the CSI "
+        "node plugin writes from the Nodes it watches); its members join `members`",
     )
     listen: str | None = Field(
         None,
@@ -56,9 +61,11 @@ class PeerSettings(BaseModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> PeerSettings:
+        if not self.members and self.members_file is None:
+            raise ValueError("name the group's members (members, or a members_file that lists them)")
         if (self.token is None) == (self.token_file is None):
             raise ValueError("give the group's token either inline (token) or in a file (token_file)")
-        if self.listen is not None and self.listen not in self.members:
+        if self.listen is not None and self.members_file is None and self.listen not in self.members:
             raise ValueError(f"listen address {self.listen} is not one of the members {list(self.members)}")
         return self
 
@@ -78,3 +85,18 @@ class PeerSettings(BaseModel):
         if len(token) < 16:
             raise ValueError("the peer token must be at least 16 characters (e.g. `openssl rand -hex 32`)")
         return token
+
+
+def read_members_file(path: Path) -> tuple[str, ...]:
+    """The members a file lists (one HOST:PORT per line; blank lines and # comments skipped).
+
+    Raises OSError when it cannot be read and ValueError naming the first line that is not an address."""
+    members = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        line = line.partition("#")[0].strip()
+        if line:
+            try:
+                members.append(check_address(line))
+            except ValueError as exc:
+                raise ValueError(f"{path}:{number}: {exc}") from None
+    return tuple(members)

@@ -88,11 +88,12 @@ def cache_settings(raw: dict[str, Any]) -> CacheSettings:
         raise BadOptionError(f"bad cache option: {settings_error(exc)}") from None
 
 
-# A cache group (pffs.peers): peers="10.0.0.7:9830,10.0.0.8:9830" (or a list), peer_listen (this process's
-# own member address; none: it reads from the group and serves nothing), peer_token or peer_token_file,
-# peer_timeout (seconds).
+# A cache group (pffs.peers): peers="10.0.0.7:9830,10.0.0.8:9830" (or a list) and/or peers_file (one
+# HOST:PORT per line, read again when it changes), peer_listen (this process's own member address; none: it
+# reads from the group and serves nothing), peer_token or peer_token_file, peer_timeout (seconds).
 PEER_OPTIONS = {
     "peers": "members",
+    "peers_file": "members_file",
     "peer_listen": "listen",
     "peer_token": "token",
     "peer_token_file": "token_file",
