@@ -21,6 +21,7 @@ from pffs.backends.options import BackendOptions
 from pffs.config import CacheSettings, Size, settings_error
 from pffs.csi.rpc import Abort, Code
 from pffs.fuse.options import Mode, MountOptions
+from pffs.peers.settings import PeerSettings
 
 SCHEMES = ("s3", "s3a", "hdfs", "webhdfs", "file")
 KUBERNETES_PREFIXES = ("csi.storage.k8s.io/", "storage.kubernetes.io/")
@@ -84,6 +85,9 @@ class VolumeAttributes(BaseModel):
     file_mode: Mode | None = Field(None, alias="fileMode")
     dir_mode: Mode | None = Field(None, alias="dirMode")
     on_delete: Literal["retain", "delete"] = Field("retain", alias="onDelete")
+    # The node's cache group (csi/cache_group.py): share serves this volume's blocks to the other nodes and
+    # reads theirs; consume only reads theirs (an ephemeral job's volume, say).
+    cache_group: Literal["off", "share", "consume"] = Field("off", alias="cacheGroup")
 
     def as_context(self, **changes: Any) -> dict[str, str]:
         """The attributes as a volume context (strings, as Kubernetes keeps them), with `changes` applied."""
@@ -202,6 +206,7 @@ def mount_options(
     read_only: bool,
     log_file: Path,
     verbose: int,
+    peers: PeerSettings | None = None,
 ) -> MountOptions:
     optional = {
         "attr_ttl": attributes.attr_ttl,
@@ -221,6 +226,7 @@ def mount_options(
         prefetch_dirs=attributes.prefetch_dirs,
         log_file=log_file,
         verbose=verbose,
+        peers=peers,
         **{k: v for k, v in optional.items() if v is not None},
     )
 

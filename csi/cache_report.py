@@ -77,12 +77,13 @@ def stamped(report: dict[str, Any]) -> str:
 class NodeAnnotation:
     """Writes one annotation of one Node through the official client."""
 
-    def __init__(self, node_name: str, api: Any) -> None:
+    def __init__(self, node_name: str, api: Any, key: str = CACHE_ANNOTATION) -> None:
         self.node_name = node_name
         self.api = api  # kubernetes.client.CoreV1Api
+        self.key = key
 
     def write(self, value: str) -> None:
-        body = {"metadata": {"annotations": {CACHE_ANNOTATION: value}}}
+        body = {"metadata": {"annotations": {self.key: value}}}
         # A JSON merge patch touches only this key; the client would otherwise label a dict body
         # as a JSON patch (its first JSON content type), which the API server refuses.
         self.api.patch_node(

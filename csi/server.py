@@ -16,6 +16,7 @@ import grpc
 
 from pffs.config import CacheSettings
 from pffs.csi import csi_pb2_grpc
+from pffs.csi.cache_group import GROUP_ANNOTATION, GroupConfig, Membership, NodeWatch
 from pffs.csi.controller import ControllerServicer
 from pffs.csi.identity import DRIVER_NAME, IdentityServicer
 from pffs.csi.metrics import PluginMetrics
@@ -54,6 +55,7 @@ class PluginOptions:
     mount_metrics_ports: tuple[int, int] | None = None
     kubelet_dir: Path | None = None  # the kubelet's root dir, at the same path as on the host
     mounter: Path | None = None  # the socket of `pffs csi-mounter` (None: start mounts in this process)
+    cache_group: GroupConfig | None = None  # None: volumes asking for a cache group are refused
 
 
 def grpc_address(endpoint: str) -> tuple[str, str | None]:
@@ -113,6 +115,7 @@ class Plugin:
         self.reporter: Any = None
         self.registration: KubeletRegistration | None = None
         self.runner: MountRunner | None = None
+        self.group_watch: NodeWatch | None = None
         self.server = grpc.server(concurrent.futures.ThreadPoolExecutor(16, thread_name_prefix="csi-rpc"))
         serve_node = options.mode in ("node", "all")
         serve_controller = options.mode in ("controller", "all")
@@ -146,7 +149,20 @@ class Plugin:
             self.runner = MountRunner(options.mount_metrics_ports)
             self.metrics.registry.register(self.runner.collector())
             starter = self.runner
-        self.volumes = VolumeManager(config, self.metrics, starter, api)
+        membership = None
+        if options.cache_group is not None:
+            membership = Membership(options.node_id, options.cache_group, options.state_dir / "cache-groups")
+            if api is None:
+                log.warning(
+                    "cache group: no API server (--in-cluster or --kubeconfig), so no other node is found; "
+                    "this node's volumes share only among themselves"
+                )
+            else:
+                from pffs.csi.cache_report import NodeAnnotation
+
+                published = NodeAnnotation(options.node_id, api, GROUP_ANNOTATION)
+                self.group_watch = NodeWatch(api, membership, published.write)
+        self.volumes = VolumeManager(config, self.metrics, starter, api, membership)
         self.volumes.adopt()
         csi_pb2_grpc.add_NodeServicer_to_server(NodeServicer(self.volumes, self.metrics), self.server)
         # Checks every mount and repairs the dead ones.
@@ -199,6 +215,8 @@ class Plugin:
             self.supervisor.start()
         if self.reporter:
             self.reporter.start()
+        if self.group_watch:
+            self.group_watch.start()
         log.info(
             "%s %s serving %s on %s (node %s)",
             DRIVER_NAME,
@@ -217,6 +235,8 @@ class Plugin:
             self.supervisor.stop()
         if self.reporter:
             self.reporter.stop()
+        if self.group_watch:
+            self.group_watch.stop()
         if self.volumes:
             self.volumes.close()
         if self.runner:

@@ -40,6 +40,7 @@ class Staged(BaseModel):
     read_only: bool = False
     inline_key: str | None = None  # set for the shared mount of inline volumes
     pid: int | None = None  # the mount process
+    peer_port: int | None = None  # where its mount serves the node's cache group (cacheGroup: share)
     targets: dict[str, Target] = Field(default_factory=dict)
 
 

@@ -29,6 +29,7 @@ from pffs.csi.attributes import (
     parse_attributes,
     parse_credentials,
 )
+from pffs.csi.cache_group import Membership, free_port, group_name
 from pffs.csi.metrics import PluginMetrics
 from pffs.csi.mounter import MounterTooOld, MounterUnavailable
 from pffs.csi.mounts import (
@@ -76,9 +77,15 @@ class MountStarter(Protocol):
 
 class VolumeManager:
     def __init__(
-        self, config: NodeConfig, metrics: PluginMetrics, starter: MountStarter, api: object | None = None
+        self,
+        config: NodeConfig,
+        metrics: PluginMetrics,
+        starter: MountStarter,
+        api: object | None = None,
+        membership: Membership | None = None,
     ) -> None:
         self.config = config
+        self.membership = membership  # the node's cache groups (None: the plugin has none)
         self.metrics = metrics
         self.starter = starter
         self.pods = Pods(api, config.node_id)
@@ -120,6 +127,7 @@ class VolumeManager:
             return existing
         self.check_visible(staging_path, "staging_target_path")
         self._check_cache_request(attributes, staging_path)
+        self._check_group_request(attributes)
         self._preflight_source(attributes, credentials)
         staged = Staged(
             volume_id=volume_id,
@@ -138,9 +146,12 @@ class VolumeManager:
         with self.state.lock:
             self.state.keep_secrets(staging_path, credentials.reveal())
         try:
+            staged.peer_port = self._group_port(attributes, staging_path)
             staged.pid = self._start_mount(staged, attributes, credentials)
         except BaseException:
             self.state.forget_secrets(staging_path)
+            if self.membership is not None:
+                self.membership.leave(staging_path)
             raise
         with self.state.lock:
             self.state.records.staged[staging_path] = staged
@@ -162,6 +173,8 @@ class VolumeManager:
             log.warning("unstaging %s while %s is still published there; unbinding it", staging_path, target)
             unmount_all(target)
         stop_mount_process(staged.pid, staging_path, self.config.unmount_timeout_s)
+        if self.membership is not None:
+            self.membership.leave(staging_path)
         with self.state.lock:
             self.state.records.staged.pop(staging_path, None)
             self.state.forget_secrets(staging_path)
@@ -354,6 +367,7 @@ class VolumeManager:
         """At start: the records of a previous plugin process. Healthy mounts are kept as they are (no
         remount, no request to the backend); dead ones are mounted again."""
         self._move_inline_mounts()
+        self.rejoin_groups()
         with self.state.lock:
             volumes = list(self.state.records.staged.values())
         for staged in volumes:
@@ -476,14 +490,20 @@ class VolumeManager:
     # Mount processes
 
     def _start_mount(self, staged: Staged, attributes: VolumeAttributes, credentials: Credentials) -> int:
+        cache = self.cache_settings_for(staged.staging_path, attributes)
+        peers = None
+        if attributes.cache_group != "off" and self.membership is not None:
+            group = group_name(attributes.source, attributes.endpoint_url, cache.block_size)
+            peers = self.membership.settings_for(staged.staging_path, group, staged.peer_port)
         options = mount_options(
             attributes,
             credentials,
             Path(staged.staging_path),
-            self.cache_settings_for(staged.staging_path, attributes),
+            cache,
             staged.read_only,
             self.log_file(staged.staging_path),
             self.config.mount_verbosity,
+            peers,
         )
         try:
             return self.starter.start(options, staged.volume_id, self.config.mount_ready_timeout_s)
@@ -494,6 +514,47 @@ class VolumeManager:
             raise Abort(Code.UNAVAILABLE, str(exc)) from None
         except MounterTooOld as exc:
             raise Abort(Code.FAILED_PRECONDITION, str(exc)) from None
+
+    # Cache groups
+
+    def _check_group_request(self, attributes: VolumeAttributes) -> None:
+        if attributes.cache_group != "off" and self.membership is None:
+            raise Abort(
+                Code.FAILED_PRECONDITION,
+                f"cacheGroup: {attributes.cache_group}, but this node's plugin has no cache group: set the "
+                "Helm value cacheGroup.enabled (pffs csi --cache-group-token-file and --node-ip)",
+            )
+
+    def _group_port(self, attributes: VolumeAttributes, staging_path: str) -> int | None:
+        """A port of the group's range for a sharing volume's mount to serve on (kept in its record)."""
+        if attributes.cache_group != "share" or self.membership is None:
+            return None
+        with self.state.lock:
+            taken = {s.peer_port for s in self.state.records.staged.values() if s.peer_port is not None}
+        port = free_port(self.membership.config, taken | self.membership.ports_taken())
+        if port is None:
+            (first, last), ip = self.membership.config.ports, self.membership.config.node_ip
+            raise Abort(
+                Code.RESOURCE_EXHAUSTED,
+                f"cacheGroup: share: every port of {first}-{last} is taken on {ip} "
+                "(the Helm value cacheGroup.ports gives more)",
+            )
+        return port
+
+    def rejoin_groups(self) -> None:
+        """At start: the volumes of the records join their groups again (their running mounts read the same
+        members files, kept up to date from here on)."""
+        if self.membership is None:
+            return
+        with self.state.lock:
+            volumes = list(self.state.records.staged.values())
+        for staged in volumes:
+            attributes = parse_attributes(staged.attributes, "recorded volume attributes")
+            if attributes.cache_group == "off":
+                continue
+            cache = self.cache_settings_for(staged.staging_path, attributes)
+            group = group_name(attributes.source, attributes.endpoint_url, cache.block_size)
+            self.membership.settings_for(staged.staging_path, group, staged.peer_port)
 
     def cache_settings_for(self, staging_path: str, attributes: VolumeAttributes) -> CacheSettings:
         """The node's shared cache, or the volume's own (under the node's cache dir) when it asks for a

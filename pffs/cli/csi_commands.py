@@ -98,6 +98,34 @@ def add_parsers(sub: Any, verbosity: argparse.ArgumentParser) -> None:
         help="start mounts through `pffs csi-mounter` on this socket, so they outlive this process's "
         "container (the node DaemonSet's default); without it, mounts run in this container",
     )
+    group = p.add_argument_group(
+        "cache group",
+        "volumes with cacheGroup: share or consume fetch each block once for all nodes (README: 'Cache "
+        "groups'); the plugins find each other through the Nodes (needs --in-cluster or --kubeconfig)",
+    )
+    group.add_argument(
+        "--cache-group-token-file",
+        type=Path,
+        metavar="FILE",
+        help="the group's shared token (a Secret's key, at this same path in the mounter's container); "
+        "without it, volumes asking for a cache group are refused",
+    )
+    group.add_argument(
+        "--node-ip", help="the address other nodes reach this node's mounts on (default: $NODE_IP)"
+    )
+    group.add_argument(
+        "--cache-group-ports",
+        metavar="FIRST-LAST",
+        default="9830-9869",
+        help="ports the sharing volumes' mounts serve the group on, one each (default 9830-9869)",
+    )
+    group.add_argument(
+        "--cache-group-timeout",
+        type=float,
+        default=2.0,
+        metavar="SECONDS",
+        help="how long a member may take to answer before the block comes from the backend (default 2)",
+    )
     _log_format_option(p)
     p.set_defaults(run=run)
 
@@ -201,6 +229,7 @@ def run(args: argparse.Namespace) -> int:
         kubelet_registration_path=args.kubelet_registration_path,
         kubelet_dir=args.kubelet_dir,
         mounter=mounter,
+        cache_group=_cache_group(args),
     )
     try:
         from pffs.csi.server import Plugin  # noqa: F401  (import errors surface here, before serving)
@@ -210,6 +239,28 @@ def run(args: argparse.Namespace) -> int:
         return serve(options)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+
+
+def _cache_group(args: argparse.Namespace) -> Any:
+    from pffs.csi.cache_group import GroupConfig
+
+    if args.cache_group_token_file is None:
+        return None
+    node_ip = args.node_ip or os.environ.get("NODE_IP")
+    if not node_ip:
+        raise UsageError(
+            "--cache-group-token-file needs --node-ip (or NODE_IP, e.g. from the pod's status.hostIP)"
+        )
+    if not args.cache_group_token_file.is_absolute():
+        raise UsageError(f"--cache-group-token-file {args.cache_group_token_file}: give an absolute path")
+    if not 0 < args.cache_group_timeout <= 60:
+        raise UsageError("--cache-group-timeout: seconds, more than 0 and at most 60")
+    return GroupConfig(
+        node_ip=node_ip,
+        ports=_port_range(args.cache_group_ports, "--cache-group-ports"),
+        token_file=args.cache_group_token_file,
+        timeout_s=args.cache_group_timeout,
+    )
 
 
 def _port_range(text: str, option: str) -> tuple[int, int]:
