@@ -481,10 +481,21 @@ def assert_plugin_and_mounter_share_their_paths(objects: list[dict[str, Any]]) -
     plugin, runner = container(node, "pffs-csi"), container(mounter, "pffs-mounter")
 
     def host_mounts(spec: dict[str, Any], c: dict[str, Any]) -> dict[str, str]:
-        host_paths = {v["name"]: v["hostPath"]["path"] for v in spec["volumes"] if "hostPath" in v}
-        return {m["mountPath"]: host_paths[m["name"]] for m in c["volumeMounts"]}
+        sources = {
+            v["name"]: v["hostPath"]["path"] if "hostPath" in v else f"secret {v['secret']['secretName']}"
+            for v in spec["volumes"]
+            if "hostPath" in v or "secret" in v
+        }
+        return {m["mountPath"]: sources[m["name"]] for m in c["volumeMounts"] if m["name"] in sources}
 
     assert host_mounts(node, plugin) == host_mounts(mounter, runner)
+    token_file = (
+        arg_value(plugin["args"], "--cache-group-token-file")
+        if "--cache-group-token-file" in plugin["args"]
+        else None
+    )
+    if token_file is not None:  # the mounts read the token at the path the plugin names
+        assert any(token_file.startswith(f"{path}/") for path in host_mounts(mounter, runner))
     socket = arg_value(runner["args"], "--socket")
     assert arg_value(plugin["args"], "--mounter") == f"unix://{socket}"
     assert arg_value(plugin["args"], "--state-dir") == STATE_DIR
@@ -634,8 +645,10 @@ def rules_of(objects: list[dict[str, Any]], service_account: str) -> set[tuple[s
 def assert_node_rbac(objects: list[dict[str, Any]]) -> None:
     """The plugin: its Node (topology labels, cache report), Events on the pods whose mount died or was
     repaired, and the pod (and claim) a volume is published for, read-only (whether every container mounts
-    it readOnly). The mounter: nothing, not even a token."""
+    it readOnly); with a cache group, the list and watch of the Nodes where the plugins publish their
+    volumes' group addresses. The mounter: nothing, not even a token."""
     node = one(objects, "DaemonSet", "pffs-csi-node")["spec"]["template"]["spec"]
+    in_group = "--cache-group-token-file" in container(node, "pffs-csi")["args"]
     assert rules_of(objects, node["serviceAccountName"]) == {
         ("", "nodes", "get"),
         ("", "nodes", "patch"),
@@ -643,7 +656,7 @@ def assert_node_rbac(objects: list[dict[str, Any]]) -> None:
         ("", "events", "patch"),
         ("", "pods", "get"),
         ("", "persistentvolumeclaims", "get"),
-    }
+    } | ({("", "nodes", "list"), ("", "nodes", "watch")} if in_group else set())
     mounter = one(objects, "DaemonSet", "pffs-csi-mounter")["spec"]["template"]["spec"]
     account = mounter["serviceAccountName"]
     assert account != node["serviceAccountName"]

@@ -85,6 +85,15 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
         },
     },
     "no-controller": {"controller": {"enabled": False}, "metrics": {"enabled": False}, "logLevel": 0},
+    "cache-group": {
+        "hostNetwork": True,
+        "cacheGroup": {"enabled": True, "ports": "9900-9909"},
+        "storageClass": {
+            "enabled": True,
+            "source": "s3://datasets/pvc",
+            "parameters": {"cacheGroup": "share"},
+        },
+    },
 }
 
 
@@ -145,6 +154,7 @@ def test_helm_lint_passes(values: dict[str, Any]) -> None:
         ({"image": {"tag": "latest"}}, "image.tag: name a version, not latest"),
         ({"node": {"kubeletPath": "var/lib/kubelet"}}, "node.kubeletPath"),
         ({"storageClass": {"enabled": True}}, "storageClass.source"),
+        ({"cacheGroup": {"enabled": True}}, "cacheGroup.enabled needs hostNetwork: true"),
     ],
 )
 def test_a_bad_value_fails_the_render_with_its_name(values: dict[str, Any], message: str) -> None:

@@ -105,3 +105,14 @@ imagePullSecrets:
   {{- toYaml . | nindent 2 }}
 {{- end -}}
 {{- end -}}
+
+{{/* The cache group's token, where the plugin and the mounter both read it. */}}
+{{- define "pffs-csi.cacheGroupTokenDir" -}}
+/etc/pffs/cache-group
+{{- end -}}
+
+{{- define "pffs-csi.checkCacheGroup" -}}
+{{- if and .Values.cacheGroup.enabled (not .Values.hostNetwork) -}}
+{{- fail "cacheGroup.enabled needs hostNetwork: true (the mounts serve the group on the node's address)" -}}
+{{- end -}}
+{{- end -}}
