@@ -9,12 +9,12 @@ The first line is the node's configuration (its secrets travel here, never in ar
 and the node answers {"ready": pid} once its filesystem (and its listener, if it serves) is up. Then each line
 is one command, each answered by one line:
 
-    {"op": "read", "files": [...], "chunk": N, "pace_s": S, "progress": true}
-        reads the files in order, N bytes at a time (pausing S seconds between reads), saying
-        {"progress": file, "offset": n} after each read if asked; answers {"sha256": {file: hex},
-        "elapsed": seconds, ...the state below}
+    {"op": "read", "files": [...], "chunk": N, "pace_s": S, "hold_at": H}
+        reads the files in order, N bytes at a time, pausing S seconds after each read; once it has read H
+        bytes of a file (if given), says {"held": file, "offset": n} and waits for a line {"op": "go"}
+        with the file open; answers {"sha256": {file: hex}, "elapsed": seconds, ...the state below}
     {"op": "state"}   answers {"counts": peer counters, "gets": backend GETs, "members": the members now}
-    {"op": "owners", "file": F}   answers {"owners": [the owner of each block of F, as this node sees it]}
+    {"op": "keys", "file": F}   answers {"keys": [the cache key of each block of F's version now]}
     {"op": "exit"}    (or the end of stdin) closes the node
 
 A command that fails answers {"error": traceback}. The node exits by itself after hard_timeout_s whatever it
@@ -53,7 +53,7 @@ def state(fs: Any) -> dict[str, Any]:
     }
 
 
-def read(fs: Any, files: list[str], chunk: int, pace_s: float, progress: bool) -> dict[str, Any]:
+def read(fs: Any, files: list[str], chunk: int, pace_s: float, hold_at: int | None) -> dict[str, Any]:
     started = time.monotonic()
     digests = {}
     for name in files:
@@ -61,19 +61,21 @@ def read(fs: Any, files: list[str], chunk: int, pace_s: float, progress: bool) -
         with fs.open(name, "rb") as f:
             while data := f.read(chunk):
                 digest.update(data)
-                if progress:
-                    say({"progress": name, "offset": f.tell()})
+                if hold_at is not None and f.tell() >= hold_at:
+                    hold_at = None
+                    say({"held": name, "offset": f.tell()})
+                    if json.loads(sys.stdin.readline() or "{}").get("op") != "go":
+                        raise RuntimeError("held, and told something other than go")
                 if pace_s:
                     time.sleep(pace_s)
         digests[name] = digest.hexdigest()
     return {"sha256": digests, "elapsed": time.monotonic() - started, **state(fs)}
 
 
-def owners(fs: Any, name: str) -> dict[str, Any]:
+def keys(fs: Any, name: str) -> dict[str, Any]:
     info = fs.vfs.stat(fs._full(name), fresh=True)
     reader = fs.vfs.reader
-    keys = [reader.key(info, i) for i in range(reader.block_count(info))]
-    return {"owners": [fs.peers.owner(key) for key in keys]}
+    return {"keys": [reader.key(info, i) for i in range(reader.block_count(info))]}
 
 
 def main() -> None:
@@ -102,12 +104,12 @@ def main() -> None:
                     command["files"],
                     command.get("chunk", 1 << 20),
                     command.get("pace_s", 0.0),
-                    command.get("progress", False),
+                    command.get("hold_at"),
                 )
             elif op == "state":
                 answer = state(fs)
-            elif op == "owners":
-                answer = owners(fs, command["file"])
+            elif op == "keys":
+                answer = keys(fs, command["file"])
             else:
                 answer = {"error": f"unknown op {op!r}"}
         except Exception:

@@ -10,6 +10,7 @@ way, and an object overwritten after a member cached it each cost time (bounded)
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import socket
@@ -24,7 +25,7 @@ import fsspec
 import pytest
 import s3fs
 from helpers import pattern, sha256
-from mounts import Mount
+from mounts import Mount, pffs
 
 from pffs.backends.errors import BadOptionError
 from pffs.cache.block_format import block_header
@@ -385,3 +386,36 @@ def test_a_member_serves_only_blocks_of_its_own_dataset_and_backend(
     assert ask(info.path, info.size, origin="s3 http://another-endpoint:8333") == 404
     assert ask(info.path, info.size, end=BLOCK // 2) == 404  # another block size
     assert gets(fs) == 1  # only the block it served
+
+
+def test_warmup_fills_a_new_node_from_the_group_not_the_backend(
+    s3_server: SeaweedS3, bucket: str, dataset: dict[str, bytes], tmp_path: Path
+) -> None:
+    """`pffs warmup --peers ...` on a node that joins late: every block comes from the member that holds
+    it, none from the backend, and the warmed cache then serves exact bytes with no request at all."""
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN)
+    (listen,) = free_addresses(1)
+    member = node(s3_server, bucket, tmp_path / "member", [listen], listen)
+    read_all(member, dataset)
+    env = {
+        **os.environ,
+        "AWS_ACCESS_KEY_ID": s3_server.access_key,
+        "AWS_SECRET_ACCESS_KEY": s3_server.secret_key,
+    }
+    cache = tmp_path / "new-node"
+    answer = pffs(
+        "--endpoint-url", s3_server.endpoint_url, "--cache-dir", str(cache), "--block-size", str(BLOCK),
+        "warmup", f"s3://{bucket}/ds", "--json", "--peers", listen, "--peer-token-file", str(token_file),
+        env=env,
+    )  # fmt: skip
+    assert answer.returncode == 0, answer.stderr
+    summary = json.loads(answer.stdout)
+    assert summary["bytes_from_group"] == summary["bytes"] == sum(len(d) for d in dataset.values())
+    assert member.peers.counts.snapshot()["served_blocks"] == blocks_of(dataset)
+    warmed = fsspec.filesystem(
+        "pffs", target=f"s3://{bucket}/ds", cache_dir=str(cache), block_size=BLOCK, skip_instance_cache=True,
+        **s3_server.storage_options(),
+    )  # fmt: skip
+    read_all(warmed, dataset)
+    assert gets(warmed) == 0

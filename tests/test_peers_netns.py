@@ -290,8 +290,8 @@ class Node:
         self.process.stdin.write(json.dumps(command) + "\n")
         self.process.stdin.flush()
 
-    def message(self, timeout: float = 60.0) -> dict[str, Any]:
-        """The node's next line (a progress report or an answer); NodeError if it died or said nothing."""
+    def answer(self, timeout: float = 60.0) -> dict[str, Any]:
+        """The node's next line; NodeError (with the node's log) if it failed, died or said nothing."""
         try:
             found = self.messages.get(timeout=timeout)
         except queue.Empty:
@@ -300,12 +300,6 @@ class Node:
             raise NodeError(f"node {self.index} exited ({self.process.wait()})\n{self.log()}")
         if "error" in found:
             raise NodeError(f"node {self.index}: {found['error']}\n{self.log()}")
-        return found
-
-    def answer(self, timeout: float = 60.0) -> dict[str, Any]:
-        """The answer to the last command (progress reports skipped)."""
-        while "progress" in (found := self.message(timeout)):
-            pass
         return found
 
     def ask(self, op: str, **args: Any) -> dict[str, Any]:
@@ -320,6 +314,13 @@ class Node:
 
     def counts(self) -> dict[str, int]:
         return self.state()["counts"]  # type: ignore[no-any-return]
+
+    def members(self) -> list[str]:
+        return self.state()["members"]  # type: ignore[no-any-return]
+
+    def keys(self, names: list[str]) -> list[str]:
+        """The cache keys of the blocks of `names`' versions now (as the node reads them)."""
+        return [key for name in names for key in self.ask("keys", file=name)["keys"]]
 
     def stop(self) -> None:
         """Whatever state it is in (frozen, killed, busy), the process is gone."""
@@ -397,7 +398,7 @@ def start_nodes(
             node.send(**config)
             nodes.append(node)
         for node in nodes:
-            assert node.message()["ready"] == node.process.pid  # nsenter execs the node: one process
+            assert node.answer()["ready"] == node.process.pid  # nsenter execs the node: one process
         return nodes
 
     yield start

@@ -21,6 +21,7 @@ from pydantic import ValidationError
 from pffs.backends.errors import BadOptionError
 from pffs.cli.context import backend_options, cache_settings
 from pffs.cli.errors import EXIT_FAILURE, EXIT_OK, UsageError
+from pffs.cli.peer_options import add_peer_options, peer_options
 from pffs.config import settings_error
 from pffs.fuse import mount_record
 from pffs.fuse.ending import exit_code_table
@@ -89,45 +90,7 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
         "s3fs-fuse does (for folders s3fs-fuse wrote). Without it, only folders where pffs stored "
         "attributes (marked by a .pffs-attributes object) pay a HEAD per file; others show the defaults",
     )
-    group = p.add_argument_group(
-        "cache group",
-        "share blocks with pffs on other nodes: each block is fetched from the backend by its owner among "
-        "the members, once, and served to the others (see the README's 'Cache groups')",
-    )
-    group.add_argument(
-        "--peers",
-        metavar="HOST:PORT,...",
-        help="every member that serves blocks (this mount too, if it does)",
-    )
-    group.add_argument(
-        "--peers-file",
-        metavar="FILE",
-        help="a file of members, one HOST:PORT per line, read again when it changes (with or instead of "
-        "--peers; the CSI node plugin writes one from the Nodes it watches)",
-    )
-    group.add_argument(
-        "--peer-listen",
-        metavar="HOST:PORT",
-        help="serve this mount's blocks to the members on this address, as it appears in --peers; "
-        "without it the mount only reads from the group",
-    )
-    group.add_argument(
-        "--no-share",
-        action="store_true",
-        help="read from the group but serve nothing (what a mount without --peer-listen does; an "
-        "ephemeral pod's mount, say)",
-    )
-    group.add_argument(
-        "--peer-token-file",
-        metavar="FILE",
-        help="a file holding the group's shared token (at least 16 characters, e.g. openssl rand -hex 32)",
-    )
-    group.add_argument(
-        "--peer-timeout",
-        type=float,
-        metavar="SECONDS",
-        help="how long a member may take to answer before the block comes from the backend (default 2)",
-    )
+    add_peer_options(p, serving=True)
     p.add_argument("--allow-other", action="store_true", help="let other users see the mount")
     p.add_argument(
         "--uid", type=int, help="owner of files that have none stored (default: the mounting user)"
@@ -201,30 +164,6 @@ def mount_options(args: argparse.Namespace) -> MountOptions:
         )
     except ValidationError as exc:
         raise BadOptionError(settings_error(exc).replace("_", "-")) from None
-
-
-def peer_options(args: argparse.Namespace) -> dict[str, Any] | None:
-    """The cache group's settings from --peers, --peers-file, --peer-listen, --no-share, --peer-token-file,
-    --peer-timeout."""
-    if args.no_share and args.peer_listen:
-        raise BadOptionError("--no-share serves nothing: leave out --peer-listen")
-    if not args.peers and not args.peers_file:
-        if args.peer_listen or args.peer_token_file or args.no_share:
-            raise BadOptionError(
-                "--peer-listen, --no-share and --peer-token-file need --peers or --peers-file (the group's "
-                "members)"
-            )
-        return None
-    if args.peer_token_file is None:
-        raise BadOptionError("--peers needs --peer-token-file: a file holding the group's shared token")
-    given = {
-        "members": args.peers,
-        "members_file": args.peers_file and Path(args.peers_file).expanduser().resolve(),
-        "listen": args.peer_listen,
-        "token_file": Path(args.peer_token_file).expanduser().resolve(),
-        "timeout_s": args.peer_timeout,
-    }
-    return {k: v for k, v in given.items() if v is not None}
 
 
 def prepare_mountpoint(path: Path) -> None:

@@ -12,12 +12,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import ValidationError
 from tqdm import tqdm
 
 from pffs.backends.backend import ObjectInfo
+from pffs.backends.errors import BadOptionError
 from pffs.cli.context import open_vfs
 from pffs.cli.errors import UsageError
-from pffs.config import format_size
+from pffs.cli.peer_options import add_peer_options, peer_options
+from pffs.config import format_size, settings_error
 
 
 def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
@@ -41,6 +44,7 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("url", metavar="URL-OR-PREFIX")
     p.add_argument("--workers", type=int, default=8, help="parallel block fetches (default 8)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    add_peer_options(p, serving=False)  # warm a node from its neighbours' caches, not the backend
     p.set_defaults(run=warmup)
 
 
@@ -76,6 +80,16 @@ def warmup(args: argparse.Namespace) -> int:
         raise UsageError(f"--workers must be at least 1, not {args.workers}")
     # Warm-up fills the disk; keeping every block in this short-lived process's memory would only churn.
     vfs, path = open_vfs(args.url, args, memory_cache_size=0)
+    group_options = peer_options(args)
+    group = None
+    if group_options is not None:
+        from pffs.peers.settings import PeerSettings
+
+        try:
+            settings = PeerSettings(**group_options)
+        except ValidationError as exc:
+            raise BadOptionError(f"bad cache-group option: {settings_error(exc)}") from None
+        group = vfs.join_group(settings, path)
     if vfs.cache.disk is None:  # said as a warning by the cache; here it means nothing could be done
         raise OSError(
             errno.EACCES,
@@ -133,12 +147,15 @@ def warmup(args: argparse.Namespace) -> int:
         "bytes_per_second": round(progress.bytes_done / elapsed) if elapsed > 0 else 0,
         "errors": len(progress.errors),
     }
+    if group is not None:
+        summary["bytes_from_group"] = group.counts.snapshot()["fetched_bytes"]
     if args.json:
         print(json.dumps(summary, indent=2))
     else:
+        from_group = f", {format_size(summary['bytes_from_group'])} of it from the group" if group else ""
         print(
             f"warmed {summary['files']} files, {format_size(summary['bytes'])} "
-            f"(fetched {format_size(summary['bytes_fetched'])}, "
+            f"(fetched {format_size(summary['bytes_fetched'])}{from_group}, "
             f"already cached {format_size(summary['bytes_already_cached'])}) "
             f"in {elapsed:.1f}s, {format_size(summary['bytes_per_second'])}/s"
         )

@@ -248,7 +248,8 @@ class ObjectReader:
         start, end = self.block_range(info, index)
         if start >= end:
             return 0
-        fetched = self.cache.ensure_on_disk(self.key(info, index), lambda: self._fetch(info, start, end))
+        key = self.key(info, index)
+        fetched = self.cache.ensure_on_disk(key, lambda: self._fetch(info, start, end, key))
         return end - start if fetched else 0
 
     def warm(self, info: ObjectInfo) -> int:
