@@ -44,8 +44,9 @@ from typing import Any
 
 import pytest
 import s3fs
-from helpers import pattern, sha256
+from helpers import pattern, poll, sha256
 
+from pffs.peers.protocol import owner_of
 from pffs.testing.s3_server import SeaweedS3
 
 TOKEN = "a-token-of-this-group-0123456789"
@@ -423,6 +424,35 @@ def blocks_of(files: dict[str, bytes]) -> int:
     return sum(-(-len(data) // BLOCK) for data in files.values())
 
 
+def owned_by(viewer: Node, owner: Node, names: list[str], members: list[str] | None = None) -> list[int]:
+    """Which blocks of `names` (counted across them) `owner` owns among `members` (default: the members
+    `viewer` has now), by the keys `viewer` reads them with."""
+    members = viewer.members() if members is None else members
+    return [i for i, key in enumerate(viewer.keys(names)) if owner_of(key, members) == owner.address]
+
+
+def owning_a_block(
+    raw_s3: s3fs.S3FileSystem,
+    bucket: str,
+    files: dict[str, bytes],
+    viewer: Node,
+    owners: list[Node],
+    prefix: str,
+    members: list[str] | None = None,
+) -> dict[str, bytes]:
+    """`files`, with as many one-block files more as it takes for each of `owners` to own a block of them
+    (a block's owner hangs on its key, which hangs on the bucket's random name)."""
+    members = viewer.members() if members is None else members
+    found = {owner_of(key, members) for key in viewer.keys(list(files))}
+    for extra in range(30):
+        if {owner.address for owner in owners} <= found:
+            return files
+        more = put(raw_s3, bucket, {f"{prefix}/extra-{extra:02d}.bin": pattern(BLOCK, seed=1000 + extra)})
+        files = {**files, **more}
+        found |= {owner_of(key, members) for key in viewer.keys(list(more))}
+    raise AssertionError(f"30 files more, and still not one block for each of {[o.address for o in owners]}")
+
+
 def check_bytes(result: dict[str, Any], files: dict[str, bytes]) -> None:
     assert result["sha256"] == {name: sha256(data) for name, data in files.items()}
 
@@ -474,48 +504,45 @@ def test_s3_serves_each_block_once_to_the_group_read_in_turn_or_all_at_once(
     assert proxy.statuses(bucket)[403] == 0  # SigV4 signatures verify through the proxy
 
 
-def owned_by(node: Node, owner: Node, name: str) -> list[int]:
-    """The blocks of `name` whose owner is `owner`, as `node` sees the group now."""
-    return [i for i, who in enumerate(node.ask("owners", file=name)["owners"]) if who == owner.address]
-
-
 def test_a_member_killed_while_others_read_from_it_costs_no_bytes(
     start_nodes: StartNodes, raw_s3: s3fs.S3FileSystem, bucket: str
 ) -> None:
-    # Read-ahead of one block and a pause after each: the kill comes while the readers are mid-file.
-    victim, reader, other = start_nodes([0, 1, 2], readahead_size=BLOCK)
-    for attempt in range(20):  # a file of which the victim owns an early block and a late one
+    # Read-ahead of one block: when the readers stop mid-file, the victim's later blocks are still to ask.
+    victim, *readers = start_nodes([0, 1, 2], readahead_size=BLOCK)
+    for attempt in range(20):  # a file of which the victim owns an early block and a later one
         name = f"large-{attempt}.bin"
         files = put(raw_s3, bucket, {name: pattern(16 * BLOCK, seed=attempt)})
-        owned = owned_by(reader, victim, name)
-        if owned and owned[0] < 8 and owned[-1] > owned[0] + 3:
+        owned = owned_by(readers[0], victim, [name])
+        if owned and owned[0] < 8 and owned[-1] >= owned[0] + 4:
             break
     else:
-        raise AssertionError("no file with a block of the victim's early and one late")
-    kill_after = (owned[0] + 1) * BLOCK  # once the reader has had the victim's first block
+        raise AssertionError("no file of which the victim owns an early block and a later one")
+    hold_at = (owned[0] + 1) * BLOCK  # once the readers have had the victim's first block
 
     started = time.monotonic()
-    for node in (reader, other):
-        node.send(op="read", files=[name], chunk=BLOCK, pace_s=0.1, progress=True)
-    while (progress := reader.message())["offset"] < kill_after:
-        pass
-    assert victim.counts()["served_blocks"] > 0
+    for reader in readers:
+        reader.send(op="read", files=[name], chunk=BLOCK, hold_at=hold_at)
+    for reader in readers:
+        assert reader.answer()["held"] == name  # the file open, half read
+    assert victim.counts()["served_blocks"] >= 1
     victim.process.kill()
-    for node in (reader, other):
-        result = node.answer()
+    victim.process.wait(timeout=10)
+    for reader in readers:
+        reader.send(op="go")
+    for reader in readers:
+        result = reader.answer()
         check_bytes(result, files)
-        assert time.monotonic() - started < SCENARIO_S
-    assert reader.counts()["failures"] >= 1  # it asked the dead member for a later block, once
-    assert reader.counts()["fetched_blocks"] >= 1  # it had blocks from the victim before that
-    assert progress["offset"] < len(files[name])  # the kill did come mid-read
+        assert result["counts"]["failures"] >= 1, result  # it asked the dead member for a later block
+    assert time.monotonic() - started < SCENARIO_S
 
 
 def test_a_frozen_member_costs_the_readers_one_deadline_then_they_read_from_s3(
     start_nodes: StartNodes, raw_s3: s3fs.S3FileSystem, bucket: str
 ) -> None:
     timeout = 1.0
-    files = put(raw_s3, bucket, small_and_large("ds", seed=300))
     frozen, reader, later = start_nodes([0, 1, 2], peer_timeout=timeout)
+    files = put(raw_s3, bucket, small_and_large("data", seed=300))
+    files = owning_a_block(raw_s3, bucket, files, reader, [frozen, later], "data")
     os.kill(frozen.process.pid, signal.SIGSTOP)  # its listener still accepts (the kernel does), never answers
     try:
         result = reader.read(list(files))
@@ -524,18 +551,18 @@ def test_a_frozen_member_costs_the_readers_one_deadline_then_they_read_from_s3(
     check_bytes(result, files)
     counts = result["counts"]
     assert counts["failures"] >= 1, counts  # it did ask the frozen member ...
-    assert result["elapsed"] >= timeout * 0.9  # ... and waited out the deadline ...
+    assert result["elapsed"] >= timeout * 0.9, result  # ... and waited out the deadline ...
     assert result["elapsed"] < 3 * timeout + 10, result  # ... about once, not once per block
-    assert counts["fetched_blocks"] >= 1  # the third member still served it its blocks
+    assert counts["fetched_blocks"] >= 1, counts  # the third member still served it its blocks
     # Thawed, the member serves again (to one that never saw it frozen).
     result = later.read(list(files))
     check_bytes(result, files)
     assert frozen.counts()["served_blocks"] >= 1
-    assert result["counts"]["failures"] == 0
+    assert result["counts"]["failures"] == 0, result
 
 
 def test_a_member_caching_the_old_version_of_an_overwritten_object_serves_only_the_new(
-    start_nodes: StartNodes, proxy: CountingProxy, raw_s3: s3fs.S3FileSystem, bucket: str
+    start_nodes: StartNodes, raw_s3: s3fs.S3FileSystem, bucket: str
 ) -> None:
     name, size = "versioned.bin", 5 * BLOCK + 777
     old = put(raw_s3, bucket, {name: pattern(size, seed=1)})
@@ -543,7 +570,7 @@ def test_a_member_caching_the_old_version_of_an_overwritten_object_serves_only_t
     check_bytes(stale.read([name]), old)  # every block of the old version now in the stale member's cache
     for seed in range(2, 40):  # the same size, other bytes; the stale member owns a block of the new version
         new = put(raw_s3, bucket, {name: pattern(size, seed=seed)})
-        if owned_by(reader, stale, name):
+        if owned_by(reader, stale, [name]):
             break
     else:
         raise AssertionError("no new version of which the stale member owns a block")
@@ -561,36 +588,24 @@ def test_a_member_caching_the_old_version_of_an_overwritten_object_serves_only_t
 def test_a_member_without_the_token_is_refused_and_refuses_others_yet_reads_exact_bytes(
     start_nodes: StartNodes, proxy: CountingProxy, raw_s3: s3fs.S3FileSystem, bucket: str
 ) -> None:
-    files = put(raw_s3, bucket, small_and_large("ds", seed=400))
     *members, outsider = start_nodes([0, 1, 2, 3], per_node={3: {"peer_token": "not-the-group-token-0000"}})
-    for extra in range(20):  # the outsider owns a block (so the members ask it for one)
-        if any(owned_by(members[0], outsider, name) for name in files):
-            break
-        files |= put(raw_s3, bucket, {f"ds/extra-{extra}.bin": pattern(BLOCK, seed=450 + extra)})
-    else:
-        raise AssertionError("no file of which the outsider owns a block")
+    files = put(raw_s3, bucket, small_and_large("data", seed=400))
+    files = owning_a_block(raw_s3, bucket, files, members[0], [*members, outsider], "data")
 
     started = time.monotonic()
     for node in [*members, outsider]:
-        result = node.read(list(files))
-        check_bytes(result, files)
+        check_bytes(node.read(list(files)), files)
     assert time.monotonic() - started < SCENARIO_S
     refused_by_members = total(members, "refused")
     outsider_counts = outsider.counts()
     assert refused_by_members >= 1  # the outsider asked them ...
     assert outsider_counts["fetched_blocks"] == 0  # ... and got nothing
     assert outsider_counts["failures"] == refused_by_members
-    assert outsider_counts["refused"] >= 1  # the members asked it for its share, and were refused
+    assert outsider_counts["refused"] == total(members, "failures") >= 1  # they asked it, and got nothing
     assert outsider_counts["served_blocks"] == 0
     # Every block the outsider read came from S3, each once.
     asked = Counter((s.path, s.range) for s in proxy.object_gets(bucket, client=outsider.host))
     assert sum(asked.values()) == len(asked) == blocks_of(files)
-
-
-def peers_file_supported() -> bool:
-    from pffs.sdk import options
-
-    return "peers_file" in options.PEER_OPTIONS
 
 
 def write_members(path: Path, members: list[str]) -> None:
@@ -600,7 +615,6 @@ def write_members(path: Path, members: list[str]) -> None:
     temporary.replace(path)
 
 
-@pytest.mark.skipif(not peers_file_supported(), reason="the SDK has no peers_file option yet")
 def test_a_members_file_changed_mid_epoch_adds_and_removes_members(
     network: Network,
     start_nodes: StartNodes,
@@ -609,36 +623,44 @@ def test_a_members_file_changed_mid_epoch_adds_and_removes_members(
     bucket: str,
     tmp_path: Path,
 ) -> None:
-    files = put(raw_s3, bucket, {f"ds/{i:02d}.bin": pattern(BLOCK, seed=500 + i) for i in range(36)})
-    names = sorted(files)
-    parts = [names[:12], names[12:24], names[24:]]
     members_file = tmp_path / "members"
     write_members(members_file, [f"{a}:{PORT}" for a in network.addresses[:2]])  # not the third, yet
     reader, kept, newcomer = start_nodes([0, 1, 2], peers=None, peers_file=str(members_file))
+    nodes = [reader, kept, newcomer]
+    three = [reader.address, kept.address, newcomer.address]
 
-    def sees(node: Node, members: list[str | None]) -> bool:
-        return sorted(node.state()["members"]) == sorted(members)  # each look re-reads a changed file
+    def change_members(members: list[str | None]) -> None:
+        write_members(members_file, members)  # type: ignore[arg-type]
+        poll(
+            f"every node reading the members file as {members}",
+            lambda: all(sorted(node.members()) == sorted(members) for node in nodes),  # type: ignore[type-var]
+            timeout_s=10,
+        )
 
-    def wait_until_all_see(members: list[str | None]) -> None:
-        deadline = time.monotonic() + 10
-        while not all(sees(node, members) for node in (reader, kept, newcomer)):
-            assert time.monotonic() < deadline, f"members file not taken up within 10 s: {members}"
-            time.sleep(0.1)
+    def part(prefix: str, owners: list[Node], members: list[str] | None = None) -> dict[str, bytes]:
+        files = put(
+            raw_s3,
+            bucket,
+            {f"{prefix}/{i}.bin": pattern(BLOCK, seed=hash(prefix) % 999 + i) for i in range(6)},
+        )
+        return owning_a_block(raw_s3, bucket, files, reader, owners, prefix, members)
 
     started = time.monotonic()
-    check_bytes(reader.read(parts[0]), {n: files[n] for n in parts[0]})
+    first = part("first", [kept])
+    check_bytes(reader.read(list(first)), first)
+    assert kept.counts()["served_blocks"] > 0
     assert newcomer.counts()["served_blocks"] == 0  # not a member yet: nobody asks it
 
-    write_members(members_file, [reader.address, kept.address, newcomer.address])
-    wait_until_all_see([reader.address, kept.address, newcomer.address])
-    check_bytes(reader.read(parts[1]), {n: files[n] for n in parts[1]})
-    assert newcomer.counts()["served_blocks"] > 0  # it serves its share now
+    change_members(three)
+    second = part("second", [newcomer])
+    check_bytes(reader.read(list(second)), second)
+    assert newcomer.counts()["served_blocks"] > 0  # a member now, it serves its share
 
-    write_members(members_file, [reader.address, newcomer.address])
-    wait_until_all_see([reader.address, newcomer.address])
+    third = part("third", [kept], members=three)  # blocks the kept member would own, were it still in
+    change_members([reader.address, newcomer.address])
     kept_served = kept.counts()["served_blocks"]
-    check_bytes(reader.read(parts[2]), {n: files[n] for n in parts[2]})
+    check_bytes(reader.read(list(third)), third)
     assert kept.counts()["served_blocks"] == kept_served  # no longer asked
-    assert newcomer.counts()["served_blocks"] > 0
     assert time.monotonic() - started < SCENARIO_S
-    each_block_once(proxy, bucket, files)  # the changes moved blocks between owners, never fetched twice
+    assert reader.counts()["failures"] == 0
+    each_block_once(proxy, bucket, {**first, **second, **third})  # blocks moved between owners, fetched once
