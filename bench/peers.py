@@ -95,14 +95,21 @@ def run_node(spec_path: str) -> int:
         "bytes_fetched": counts.get("bytes_fetched", 0),
         "bytes_from_peers": peers.get("fetched_bytes", 0),
         "peer_failures": peers.get("failures", 0),
+        "backend_gets": backend_gets(fs),
         "verified": verified,
     }
     print(RESULT + json.dumps(result), flush=True)
     sys.stdin.read()  # serve the other members until the bench closes our stdin
-    if fs.peers is not None:
+    if fs.peers is not None:  # what it fetched for the others after its own epoch counts too
         result["bytes_served"] = fs.peers.counts.snapshot().get("served_bytes", 0)
+        result["bytes_fetched"] = fs.vfs.cache.stats.snapshot().get("bytes_fetched", 0)
+        result["backend_gets"] = backend_gets(fs)
         print(RESULT + json.dumps(result), flush=True)
     return 0
+
+
+def backend_gets(fs: Any) -> int:
+    return int(fs.vfs.backend.requests.snapshot()["get"]["requests"])
 
 
 # -- the bench ---------------------------------------------------------------------------------------------
@@ -188,6 +195,7 @@ def run_group(base: dict[str, Any], workdir: Path, nodes: int, sharing: bool, ru
         "mb_per_s_per_node": round(sum(r["mb_per_s"] for r in results) / nodes, 1),
         "backend_bytes": sum(r["bytes_fetched"] - r["bytes_from_peers"] for r in results),
         "peer_bytes": sum(r["bytes_from_peers"] for r in results),
+        "backend_gets": sum(r["backend_gets"] for r in results),
         "cpu_seconds": round(sum(r["cpu_seconds"] for r in results), 2),
         "peer_failures": sum(r["peer_failures"] for r in results),
         "verified": all(r["verified"] for r in results),
@@ -272,12 +280,15 @@ def main() -> int:
                 f"{result['peer_bytes'] / MB:.0f} MB from members ({'ok' if result['verified'] else 'BAD'})"
             )
     dataset_bytes = args.large_size + args.small_size * args.small_count
+    block = 4 << 20  # the SDK's default block size
+    dataset_blocks = -(-args.large_size // block) + args.small_count * -(-args.small_size // block)
     report = {
         "command": " ".join(sys.argv),
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "total_seconds": round(time.time() - started, 1),
         "nproc": os.cpu_count(),
         "dataset_bytes": dataset_bytes,
+        "dataset_blocks": dataset_blocks,
         "loopback_ceiling_mb_s": ceiling,
         "runs": runs,
         "verified": all(r["verified"] for r in runs),
@@ -287,13 +298,14 @@ def main() -> int:
     (out / "peers.json").write_text(json.dumps(report, indent=1) + "\n")
     plot(report, out / "peers.png")
     print(
-        f"\n{'nodes':>5} {'sharing':>7} {'MB/s/node':>9} {'backend MB':>10} {'x dataset':>9} {'peers MB':>8}"
+        f"\n{'nodes':>5} {'sharing':>7} {'MB/s/node':>9} {'backend MB':>10} {'x dataset':>9} {'peers MB':>8} "
+        f"{'GETs':>6} {'x blocks':>8}"
     )
     for r in runs:
         print(
             f"{r['nodes']:>5} {'on' if r['sharing'] else 'off':>7} {r['mb_per_s_per_node']:>9} "
             f"{r['backend_bytes'] / MB:>10.0f} {r['backend_bytes'] / dataset_bytes:>9.2f} "
-            f"{r['peer_bytes'] / MB:>8.0f}"
+            f"{r['peer_bytes'] / MB:>8.0f} {r['backend_gets']:>6} {r['backend_gets'] / dataset_blocks:>8.2f}"
         )
     print(f"loopback ceiling (one TCP stream): {ceiling} MB/s; all reads verified: {report['verified']}")
     print(f"wrote {out / 'peers.json'} and {out / 'peers.png'}")

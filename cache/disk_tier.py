@@ -97,10 +97,15 @@ class DiskTier:
         """Stores a block from the writer thread, batched with others; `then` runs once it is written (or
         failed). None if disk writes are off for now (then `then` has run already)."""
         if time.monotonic() < self._writes_disabled_until:
+            self.writer.forget(key, payload)  # if it was held
             if then is not None:
                 then()
             return None
         return self.writer.submit(key, payload, then)
+
+    def hold(self, key: str, payload: Block) -> None:
+        """Makes a block about to be `put_later` readable from now on (see BlockCache._keep_fetched)."""
+        self.writer.hold(key, payload)
 
     def _put_batch(self, blocks: list[tuple[str, bytes | memoryview]]) -> bool:
         if time.monotonic() < self._writes_disabled_until:

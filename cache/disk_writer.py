@@ -57,11 +57,11 @@ class DiskWriter:
         """Queues a block; the future says whether it reached the disk. `then` runs after, either way."""
         done: Future[bool] = Future()
         with self._cond:
+            self._pending[key] = data  # readable at once, while it waits for room in the queue too
             while self._pending_bytes > self.max_pending_bytes and self._queue:
                 self._cond.wait()
             was_empty = not self._queue
             self._queue.append((key, data, done, then))
-            self._pending[key] = data
             self._pending_bytes += len(data)
             if self._thread is None or self._pid != os.getpid():
                 self._pid = os.getpid()
@@ -70,6 +70,17 @@ class DiskWriter:
             if was_empty:  # the writer waits for work; while it lingers for more, let it linger
                 self._cond.notify_all()
         return done
+
+    def hold(self, key: str, data: Block) -> None:
+        """Makes the block readable here before it is submitted (`submit` or `forget` must follow)."""
+        with self._cond:
+            self._pending[key] = data
+
+    def forget(self, key: str, data: Block) -> None:
+        """Drops a held block that will not be submitted."""
+        with self._cond:
+            if self._pending.get(key) is data:
+                del self._pending[key]
 
     def pending(self, key: str) -> Block | None:
         """The block `key` if it is waiting to be written (or being written), else None."""

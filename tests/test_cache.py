@@ -532,6 +532,50 @@ def test_processes_filling_one_small_cache_at_once_never_hold_more_than_its_boun
         subprocess.run(["umount", "-l", str(cache)], check=False)
 
 
+def test_a_block_waiting_for_room_in_the_writers_queue_is_not_fetched_again(tmp_path: Path) -> None:
+    """The writer's queue is full (a slow disk): the thread that fetched a block waits for room to queue
+    it, after its single flight ended. Asked for meanwhile (a group member's request, found by
+    bench/peers.py: 1-3% of the blocks fetched twice), the block comes from the queue, not the backend."""
+    cache = BlockCache(tmp_path / "cache", 64 << 20, 64 << 20)
+    assert cache.disk is not None
+    writer = cache.disk.writer
+    writer.max_pending_bytes = 100_000
+    writing = threading.Event()
+    stored = cache.disk._put_batch
+
+    def slow_disk(blocks: Any) -> bool:
+        writing.wait(10)
+        return stored(blocks)
+
+    writer._write_batch = slow_disk
+    data = pattern(300_000, seed=5)
+    fetches: list[str] = []
+
+    def fetch(key: str) -> Callable[[], bytes]:
+        return lambda: fetches.append(key) or data
+
+    try:
+        cache.get("k-0", fetch("k-0"), keep_in_memory=False)  # being written (the disk is slow)
+        cache.get("k-1", fetch("k-1"), keep_in_memory=False)  # queued: the queue is full now
+        leader = threading.Thread(
+            target=cache.get, args=("k-2", fetch("k-2")), kwargs={"keep_in_memory": False}
+        )
+        leader.start()
+        deadline = time.monotonic() + 5
+        while "k-2" not in fetches and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)  # the leader now waits for room in the queue
+        assert leader.is_alive()
+        assert bytes(cache.get("k-2", fetch("k-2"), keep_in_memory=False)) == data
+        assert fetches.count("k-2") == 1
+    finally:
+        writing.set()
+        leader.join(10)
+        cache.wait_for_disk()
+    assert bytes(cache.get("k-2", fetch("k-2"))) == data and fetches.count("k-2") == 1
+    cache.close()
+
+
 def test_a_block_queued_twice_in_one_batch_is_written_once_and_the_disk_tier_stays_on(tmp_path: Path) -> None:
     cache = BlockCache(tmp_path / "cache", 64 << 20, 1 << 20)
     assert cache.disk is not None
