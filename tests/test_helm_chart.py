@@ -453,12 +453,14 @@ def alerts() -> dict[str, Any]:
 def exported_metric_names() -> set[str]:
     """Every sample name pffs's registries give a scrape: the node plugin's and controller's (PluginMetrics),
     the mounter's own (MounterMetrics), and a mount's (MountCollector), which the mounter passes on with a
-    `volume` label and the same names. Labelled metrics get one child each, so that they have samples."""
+    `volume` label and the same names (a mount in a cache group). Labelled metrics get one child each, so
+    that they have samples."""
     from prometheus_client import CollectorRegistry
     from prometheus_client.metrics import MetricWrapperBase
 
     from pffs.csi.metrics import MounterMetrics, PluginMetrics
     from pffs.fuse.metrics import MountCollector
+    from pffs.peers.group import COUNTERS
 
     report = {
         "cache": {},
@@ -470,6 +472,8 @@ def exported_metric_names() -> set[str]:
         "uploads_done": 0,
         "upload_failures": 0,
         "open_files": 0,
+        "peers": dict.fromkeys(COUNTERS, 0),  # a mount in a cache group
+        "peer_members": 3,
     }
     mount = CollectorRegistry()
     mount.register(MountCollector(lambda: report))

@@ -343,6 +343,7 @@ def test_mounts_in_a_group_fetch_each_block_once_and_a_killed_member_costs_no_by
                 assert sha256((m.path / name).read_bytes()) == sha256(data), name
         assert mount_gets(a) + mount_gets(b) == blocks_of(dataset)
         assert b.stats()["peers"]["fetched_blocks"] > 0
+        assert b.stats()["peer_members"] == 2
         assert a.stats()["peers"]["served_blocks"] == b.stats()["peers"]["fetched_blocks"]
         a.kill()
         with mount("c", None) as c:  # reads only; its owners: a (dead) and b

@@ -117,6 +117,7 @@ def mount_stats(mountpoint: str, as_json: bool) -> int:
     if "peers" in report:
         peers = report["peers"]
         rows += [
+            ("cache group: members", f"{report.get('peer_members', 0)}"),
             (
                 "cache group: fetched from / served to members",
                 f"{peers['fetched_blocks']:,} blocks ({format_size(peers['fetched_bytes'])}) / "

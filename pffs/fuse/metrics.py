@@ -72,6 +72,9 @@ class MountCollector(Collector):
             for name, value in report["peers"].items():
                 peers.add_metric([name], value)
             yield peers
+            yield GaugeMetricFamily(
+                "pffs_peer_members", "cache-group members this mount knows", value=report["peer_members"]
+            )
 
 
 def start_metrics_server(report: Callable[[], dict[str, Any]], address: str, port: int) -> None:

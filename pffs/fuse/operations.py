@@ -738,5 +738,9 @@ class Operations(pyfuse3.Operations):
             "open_files": len(self.files),
             "files_prefetched": self.prefetcher.files_prefetched if self.prefetcher else 0,
             "inodes": len(self.inodes),
-            **({"peers": peers.counts.snapshot()} if (peers := self.vfs.reader.peers) else {}),
+            **(
+                {"peers": peers.counts.snapshot(), "peer_members": len(peers.members())}
+                if (peers := self.vfs.reader.peers)
+                else {}
+            ),
         }
