@@ -11,6 +11,8 @@ small files by 8 threads; every byte is checked by sha256. Per run: each node's 
 epoch), the bytes all nodes fetched from the backend, the bytes they got from members, and their CPU
 seconds. The ceiling: one loopback TCP stream's MB/s on this machine, measured in the same run (what a
 member's answers travel over). A node keeps serving after its epoch until every node has finished.
+Then the transport alone: a member that read the whole dataset serves all of it to a consume-only member
+(the reader's MB/s against the loopback stream, and against its own first read from S3).
 
 Writes bench/results/peers.json and bench/results/peers.png (--out-dir), and prints a table.
 Exit code 1 if a read did not match its sha256 or a node failed.
@@ -145,40 +147,48 @@ def free_port(host: str) -> int:
         return int(s.getsockname()[1])
 
 
+def start_node(base: dict[str, Any], workdir: Path, name: str, **spec: Any) -> subprocess.Popen[str]:
+    """A node's process, reading the dataset at `start_at`; its result is a RESULT line on its stdout."""
+    path = workdir / f"node-{name}.json"
+    path.touch(mode=0o600)
+    path.write_text(json.dumps({**base, "cache_dir": str(workdir / f"cache-{name}"), **spec}))
+    return subprocess.Popen(
+        [sys.executable, __file__, "--node", str(path)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+
+
+def first_result(proc: subprocess.Popen[str]) -> dict[str, Any]:
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if not line.startswith(RESULT):
+        raise RuntimeError(f"a node failed (exit {proc.poll()})")
+    return dict(json.loads(line.removeprefix(RESULT)))
+
+
 def run_group(base: dict[str, Any], workdir: Path, nodes: int, sharing: bool, run: int) -> dict[str, Any]:
     token = secrets.token_hex(32)
     hosts = [f"127.0.0.{i + 2}" for i in range(nodes)]
     members = [f"{h}:{free_port(h)}" for h in hosts] if sharing else []
     start_at = time.time() + 3.0
-    procs = []
-    for i in range(nodes):
-        spec = {
-            **base,
-            "cache_dir": str(workdir / f"cache-{run}-{nodes}-{int(sharing)}-{i}"),
-            "members": members,
-            "listen": members[i] if sharing else None,
-            "token": token,
-            "start_at": start_at,
-        }
-        path = workdir / f"node-{run}-{i}.json"
-        path.touch(mode=0o600)
-        path.write_text(json.dumps(spec))
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, __file__, "--node", str(path)],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                text=True,
-            )
+    procs = [
+        start_node(
+            base,
+            workdir,
+            f"{run}-{nodes}-{int(sharing)}-{i}",
+            members=members,
+            listen=members[i] if sharing else None,
+            token=token,
+            start_at=start_at,
         )
+        for i in range(nodes)
+    ]
     results: list[dict[str, Any]] = []
     try:
         for proc in procs:  # each node's epoch result, then everyone may stop serving
-            assert proc.stdout is not None
-            line = proc.stdout.readline()
-            if not line.startswith(RESULT):
-                raise RuntimeError(f"a node failed (exit {proc.poll()})")
-            results.append(json.loads(line.removeprefix(RESULT)))
+            results.append(first_result(proc))
         for i, proc in enumerate(procs):
             out, _ = proc.communicate(timeout=60)
             lines = [ln for ln in out.splitlines() if ln.startswith(RESULT)]
@@ -200,6 +210,29 @@ def run_group(base: dict[str, Any], workdir: Path, nodes: int, sharing: bool, ru
         "peer_failures": sum(r["peer_failures"] for r in results),
         "verified": all(r["verified"] for r in results),
     }
+
+
+def run_transport(base: dict[str, Any], workdir: Path) -> dict[str, Any]:
+    """The transport alone: a member whose cache holds the whole dataset (it read it first) serves all of
+    it to a consume-only member, whose every block then comes from the group."""
+    token = secrets.token_hex(32)
+    owner = f"127.0.0.2:{free_port('127.0.0.2')}"
+    procs = [
+        start_node(base, workdir, "transport-owner", members=[owner], listen=owner, token=token, start_at=0)
+    ]
+    try:
+        warm = first_result(procs[0])
+        procs.append(
+            start_node(
+                base, workdir, "transport-reader", members=[owner], listen=None, token=token, start_at=0
+            )
+        )
+        reader = first_result(procs[1])
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+    return {"owner_cold": warm, "reader_from_group": reader}
 
 
 def write_dataset(s3: Any, args: argparse.Namespace) -> dict[str, Any]:
@@ -279,6 +312,12 @@ def main() -> int:
                 f"per node, {result['backend_bytes'] / MB:.0f} MB from the backend, "
                 f"{result['peer_bytes'] / MB:.0f} MB from members ({'ok' if result['verified'] else 'BAD'})"
             )
+        transport = run_transport(base, workdir)
+        log(
+            f"transport: a consume-only member read the dataset from a warm member at "
+            f"{transport['reader_from_group']['mb_per_s']} MB/s (its first read from S3: "
+            f"{transport['owner_cold']['mb_per_s']} MB/s)"
+        )
     dataset_bytes = args.large_size + args.small_size * args.small_count
     block = 4 << 20  # the SDK's default block size
     dataset_blocks = -(-args.large_size // block) + args.small_count * -(-args.small_size // block)
@@ -291,7 +330,8 @@ def main() -> int:
         "dataset_blocks": dataset_blocks,
         "loopback_ceiling_mb_s": ceiling,
         "runs": runs,
-        "verified": all(r["verified"] for r in runs),
+        "transport": transport,
+        "verified": all(r["verified"] for r in runs) and transport["reader_from_group"]["verified"],
     }
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -307,6 +347,12 @@ def main() -> int:
             f"{r['backend_bytes'] / MB:>10.0f} {r['backend_bytes'] / dataset_bytes:>9.2f} "
             f"{r['peer_bytes'] / MB:>8.0f} {r['backend_gets']:>6} {r['backend_gets'] / dataset_blocks:>8.2f}"
         )
+    reader = transport["reader_from_group"]
+    print(
+        f"transport: {reader['mb_per_s']} MB/s from a warm member ({reader['mb_per_s'] / ceiling:.2f} of one "
+        f"loopback TCP stream, {reader['backend_gets']} GETs); the same node from S3 cold: "
+        f"{transport['owner_cold']['mb_per_s']} MB/s"
+    )
     print(f"loopback ceiling (one TCP stream): {ceiling} MB/s; all reads verified: {report['verified']}")
     print(f"wrote {out / 'peers.json'} and {out / 'peers.png'}")
     return 0 if report["verified"] else 1
