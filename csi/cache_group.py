@@ -48,6 +48,7 @@ class GroupConfig:
     ports: tuple[int, int]  # the ports they may take, first to last
     token_file: Path  # the group's token, at the same path in the plugin's and the mounter's container
     timeout_s: float = 2.0
+    tls_dir: Path | None = None  # mutual TLS between members (ca.crt, tls.crt, tls.key), same path in both
 
 
 def group_name(source: str, endpoint_url: str | None, block_size: int) -> str:
@@ -112,6 +113,7 @@ class Membership:
             listen=volume.listen,
             token_file=self.config.token_file,
             timeout_s=self.config.timeout_s,
+            tls_dir=self.config.tls_dir,
         )
 
     def leave(self, staging_path: str) -> None:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
+import subprocess
 import threading
 import time
 from collections.abc import Callable
@@ -117,3 +119,33 @@ def require(missing: list[str], what: str) -> None:
         if os.environ.get("PFFS_REQUIRE_SERVERS") == "1":
             pytest.fail(message)
         pytest.skip(message)
+
+
+# Certificates for mutual TLS (the openssl command)
+def openssl(*args: str) -> None:
+    subprocess.run(["openssl", *args], check=True, capture_output=True)
+
+
+def make_ca(folder: Path) -> Path:
+    folder.mkdir(parents=True)
+    openssl(
+        "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-days", "1",
+        "-subj", "/CN=pffs cache group CA", "-keyout", str(folder / "ca.key"), "-out", str(folder / "ca.crt"),
+    )  # fmt: skip
+    return folder
+
+
+def member_tls(ca: Path, folder: Path, name: str) -> Path:
+    """A member's TLS folder (ca.crt, tls.crt, tls.key: a Kubernetes TLS Secret's files), signed by `ca`."""
+    folder.mkdir(parents=True)
+    key, request = folder / "tls.key", folder / "tls.csr"
+    openssl(
+        "req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-subj", f"/CN={name}",
+        "-keyout", str(key), "-out", str(request),
+    )  # fmt: skip
+    openssl(
+        "x509", "-req", "-in", str(request), "-CA", str(ca / "ca.crt"), "-CAkey", str(ca / "ca.key"),
+        "-CAcreateserial", "-days", "1", "-out", str(folder / "tls.crt"),
+    )  # fmt: skip
+    shutil.copy(ca / "ca.crt", folder / "ca.crt")
+    return folder

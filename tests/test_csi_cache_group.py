@@ -4,9 +4,10 @@ A real API server (etcd + kube-apiserver), one SeaweedFS, and three `pffs csi --
 in for three nodes (Node objects n0..n2, node addresses 127.0.0.2..4 on loopback, each plugin with its own
 state dir and disk cache). Each stages one volume with `cacheGroup: share`: the plugins publish where their
 mounts serve on their Node (annotation pffs.io/cache-group), watch the Nodes, and write each mount's members
-file. Reading the dataset through the three mounts fetches every block from S3 once for all three, byte for
-byte; a fourth plugin's `cacheGroup: consume` volume reads it all from the group; a volume that leaves, or a
-Node deleted, leaves the others' members within seconds (the watch, not a poll).
+file. Reading the dataset through the three mounts (mutual TLS, a certificate per node from one CA) fetches
+every block from S3 once for all three, byte for byte; a fourth plugin's `cacheGroup: consume` volume reads
+it all from the group; a volume that leaves, or a Node deleted, leaves the others' members within seconds
+(the watch, not a poll).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any
 import grpc
 import pytest
 import s3fs
-from helpers import pattern, sha256
+from helpers import make_ca, member_tls, pattern, sha256
 
 from pffs.csi import csi_pb2
 from pffs.csi.cache_group import GROUP_ANNOTATION
@@ -64,9 +65,12 @@ def blocks_of(files: dict[str, bytes]) -> int:
 class NodePlugin(CsiPlugin):
     """`pffs csi --mode node` for one stand-in node: its Node name, its address, its own cache."""
 
-    def __init__(self, root: Path, node: str, ip: str | None, kubeconfig: Path, token_file: Path) -> None:
+    def __init__(
+        self, root: Path, node: str, ip: str | None, kubeconfig: Path, token_file: Path, tls: Path
+    ) -> None:
         first = free_ports(1)[0]
         group = [] if ip is None else ["--cache-group-token-file", str(token_file), "--node-ip", ip]
+        group += [] if ip is None else ["--cache-group-tls-dir", str(tls)]
         super().__init__(
             root,
             "--cache-size", "1G", "--kubeconfig", str(kubeconfig), "--cache-group-ports", f"{first}-{first}",
@@ -132,6 +136,7 @@ def cluster(api_server: Any, tmp_path: Path) -> Iterator[Callable[[str, str | No
     token_file = tmp_path / "group-token"
     token_file.write_text(TOKEN)
     token_file.chmod(0o600)
+    ca = make_ca(tmp_path / "ca")
     names: list[str] = []
     with contextlib.ExitStack() as started:
 
@@ -140,7 +145,8 @@ def cluster(api_server: Any, tmp_path: Path) -> Iterator[Callable[[str, str | No
             names.append(node)
             root = tmp_path / node
             root.mkdir()
-            return started.enter_context(NodePlugin(root, node, ip, api_server.kubeconfig, token_file))
+            tls = member_tls(ca, root / "tls", node)  # mutual TLS between the mounts, a certificate each
+            return started.enter_context(NodePlugin(root, node, ip, api_server.kubeconfig, token_file, tls))
 
         try:
             yield start

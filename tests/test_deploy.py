@@ -494,8 +494,10 @@ def assert_plugin_and_mounter_share_their_paths(objects: list[dict[str, Any]]) -
         if "--cache-group-token-file" in plugin["args"]
         else None
     )
-    if token_file is not None:  # the mounts read the token at the path the plugin names
+    if token_file is not None:  # the mounts read the token (and TLS files) at the paths the plugin names
         assert any(token_file.startswith(f"{path}/") for path in host_mounts(mounter, runner))
+        if "--cache-group-tls-dir" in plugin["args"]:
+            assert arg_value(plugin["args"], "--cache-group-tls-dir") in host_mounts(mounter, runner)
     socket = arg_value(runner["args"], "--socket")
     assert arg_value(plugin["args"], "--mounter") == f"unix://{socket}"
     assert arg_value(plugin["args"], "--state-dir") == STATE_DIR

@@ -87,7 +87,7 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     "no-controller": {"controller": {"enabled": False}, "metrics": {"enabled": False}, "logLevel": 0},
     "cache-group": {
         "hostNetwork": True,
-        "cacheGroup": {"enabled": True, "ports": "9900-9909"},
+        "cacheGroup": {"enabled": True, "ports": "9900-9909", "tlsSecret": "pffs-cache-group-tls"},
         "storageClass": {
             "enabled": True,
             "source": "s3://datasets/pvc",

@@ -13,6 +13,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import socket
 import threading
 import time
@@ -24,7 +25,7 @@ from typing import Any
 import fsspec
 import pytest
 import s3fs
-from helpers import pattern, sha256
+from helpers import make_ca, member_tls, pattern, sha256
 from mounts import Mount, pffs
 
 from pffs.backends.errors import BadOptionError
@@ -420,3 +421,55 @@ def test_warmup_fills_a_new_node_from_the_group_not_the_backend(
     )  # fmt: skip
     read_all(warmed, dataset)
     assert gets(warmed) == 0
+
+
+# -- mutual TLS ----------------------------------------------------------------------------------------------
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make certificates")
+def test_members_with_mutual_tls_share_and_a_certificate_of_another_ca_gets_nothing(
+    s3_server: SeaweedS3, bucket: str, dataset: dict[str, bytes], tmp_path: Path
+) -> None:
+    ca = make_ca(tmp_path / "ca")
+    members = free_addresses(2)
+    first = node(
+        s3_server,
+        bucket,
+        tmp_path / "a",
+        members,
+        members[0],
+        peer_tls_dir=str(member_tls(ca, tmp_path / "ta", "a")),
+    )
+    second = node(
+        s3_server,
+        bucket,
+        tmp_path / "b",
+        members,
+        members[1],
+        peer_tls_dir=str(member_tls(ca, tmp_path / "tb", "b")),
+    )
+    read_all(first, dataset)
+    read_all(second, dataset)
+    assert gets(first) + gets(second) == blocks_of(dataset)
+    assert second.peers.counts.snapshot()["fetched_blocks"] > 0
+    assert all(fs.peers.counts.snapshot()["failures"] == 0 for fs in (first, second))
+
+    # The group's token but a certificate of another CA: no connection; every block from the backend, exact.
+    other = member_tls(make_ca(tmp_path / "other-ca"), tmp_path / "tc", "c")
+    outsider = node(s3_server, bucket, tmp_path / "c", members, None, peer_tls_dir=str(other))
+    read_all(outsider, dataset)
+    assert outsider.peers.counts.snapshot()["fetched_blocks"] == 0
+    assert outsider.peers.counts.snapshot()["failures"] >= 1
+    assert first.peers.counts.snapshot()["refused"] + second.peers.counts.snapshot()["refused"] >= 1
+    # And one that speaks plain HTTP to a TLS member gets nothing either.
+    plain = node(s3_server, bucket, tmp_path / "d", members, None)
+    read_all(plain, dataset)
+    assert plain.peers.counts.snapshot()["fetched_blocks"] == 0
+
+
+def test_a_tls_folder_that_lacks_a_file_is_one_clear_line(tmp_path: Path) -> None:
+    (tmp_path / "tls").mkdir()
+    (tmp_path / "tls" / "ca.crt").write_text("not a certificate")
+    with pytest.raises(BadOptionError, match=r"lacks tls\.crt, tls\.key"):
+        fsspec.filesystem(
+            "pffs", target="s3://b/ds", peers="127.0.0.1:1", peer_token=TOKEN,
+            peer_tls_dir=str(tmp_path / "tls"), skip_instance_cache=True, endpoint_url="http://127.0.0.1:1",
+        )  # fmt: skip

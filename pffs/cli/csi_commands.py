@@ -120,6 +120,13 @@ def add_parsers(sub: Any, verbosity: argparse.ArgumentParser) -> None:
         help="ports the sharing volumes' mounts serve the group on, one each (default 9830-9869)",
     )
     group.add_argument(
+        "--cache-group-tls-dir",
+        type=Path,
+        metavar="DIR",
+        help="mutual TLS between the mounts of the group: ca.crt, tls.crt and tls.key (a TLS Secret's "
+        "files, at this same path in the mounter's container)",
+    )
+    group.add_argument(
         "--cache-group-timeout",
         type=float,
         default=2.0,
@@ -260,6 +267,7 @@ def _cache_group(args: argparse.Namespace) -> Any:
         ports=_port_range(args.cache_group_ports, "--cache-group-ports"),
         token_file=args.cache_group_token_file,
         timeout_s=args.cache_group_timeout,
+        tls_dir=args.cache_group_tls_dir,
     )
 
 

@@ -46,6 +46,12 @@ def add_peer_options(parser: argparse.ArgumentParser, serving: bool) -> None:
         help="a file holding the group's shared token (at least 16 characters, e.g. openssl rand -hex 32)",
     )
     group.add_argument(
+        "--peer-tls-dir",
+        metavar="DIR",
+        help="mutual TLS between members: a folder holding ca.crt, tls.crt and tls.key (a Kubernetes TLS "
+        "Secret's files); each member must show a certificate that CA signed",
+    )
+    group.add_argument(
         "--peer-timeout",
         type=float,
         metavar="SECONDS",
@@ -73,5 +79,6 @@ def peer_options(args: argparse.Namespace) -> dict[str, Any] | None:
         "listen": listen,
         "token_file": Path(args.peer_token_file).expanduser().resolve(),
         "timeout_s": args.peer_timeout,
+        "tls_dir": args.peer_tls_dir and Path(args.peer_tls_dir).expanduser().resolve(),
     }
     return {k: v for k, v in given.items() if v is not None}

@@ -11,6 +11,7 @@ from __future__ import annotations
 import http.client
 import logging
 import os
+import ssl
 import threading
 import time
 
@@ -19,6 +20,7 @@ from pffs.backends.deadline import timeout_left
 from pffs.cache.block_format import CorruptBlockError, check_segments, header_size, parse_header
 from pffs.peers.protocol import BlockRequest, owner_of, signed_headers
 from pffs.peers.settings import PeerSettings, read_members_file, split_address
+from pffs.peers.tls import tls_contexts
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +55,10 @@ class PeerGroup:
         self.settings = settings
         self.origin = origin
         self.token = settings.token_bytes()
+        self.tls_server: ssl.SSLContext | None = None
+        self.tls_client: ssl.SSLContext | None = None
+        if settings.tls_dir is not None:
+            self.tls_server, self.tls_client = tls_contexts(settings.tls_dir)
         self.me = settings.listen
         self.counts = PeerCounts()
         self._resting: dict[str, float] = {}  # member -> until when it is not asked
@@ -126,6 +132,7 @@ class PeerGroup:
         try:
             self._get(owner, request, into)
         except (OSError, http.client.HTTPException, CorruptBlockError, TimeoutError, ValueError) as exc:
+            # (ssl.SSLError is an OSError: a member whose certificate the group's CA did not sign)
             self._drop_connection(owner)
             self._resting[owner] = time.monotonic() + REST_S
             self.counts.add("failures")
@@ -193,7 +200,12 @@ class PeerGroup:
         connection = connections.get(member)
         if connection is None:
             host, port = split_address(member)
-            connection = http.client.HTTPConnection(host, port, timeout=self.settings.timeout_s)
+            if self.tls_client is not None:
+                connection = http.client.HTTPSConnection(
+                    host, port, timeout=self.settings.timeout_s, context=self.tls_client
+                )
+            else:
+                connection = http.client.HTTPConnection(host, port, timeout=self.settings.timeout_s)
             connections[member] = connection
         return connection
 

@@ -5,6 +5,8 @@ per connection). Every request must be signed with the group's token; a block is
 from __future__ import annotations
 
 import logging
+import socket
+import ssl
 import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -20,8 +22,45 @@ log = logging.getLogger(__name__)
 Serve = Callable[[BlockRequest], Block | None]
 
 
+IDLE_S = 60.0  # a connection silent this long (or a TLS handshake this slow) is closed
+
+
+class _TlsServer(ThreadingHTTPServer):
+    """Each connection's TLS handshake in its own thread, so a slow or silent client holds up no other."""
+
+    def __init__(self, address: tuple[str, int], handler: Any, context: ssl.SSLContext, counts: Any) -> None:
+        super().__init__(address, handler)
+        self.context = context
+        self.counts = counts
+
+    def finish_request(self, request: Any, client_address: Any) -> None:
+        request.settimeout(IDLE_S)
+        try:
+            connection = self.context.wrap_socket(request, server_side=True)
+        except (ssl.SSLError, OSError) as exc:  # no certificate the group's CA signed: not a member
+            self.counts.add("refused")
+            log.warning("refused a connection from %s: %s", client_address[0], exc)
+            return
+        handler: Any = self.RequestHandlerClass  # (typeshed wants the server's own Self here)
+        try:
+            handler(connection, client_address, self)
+        finally:
+            connection.close()
+
+    def shutdown_request(self, request: Any) -> None:
+        if isinstance(request, socket.socket) and request.fileno() != -1:  # not handed to TLS
+            super().shutdown_request(request)
+
+
 class PeerServer:
-    def __init__(self, address: tuple[str, int], token: bytes, serve: Serve, counts: Any) -> None:
+    def __init__(
+        self,
+        address: tuple[str, int],
+        token: bytes,
+        serve: Serve,
+        counts: Any,
+        tls: ssl.SSLContext | None = None,
+    ) -> None:
         self.token = token
         self.serve = serve
         self.counts = counts  # PeerCounts
@@ -29,6 +68,7 @@ class PeerServer:
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+            timeout = IDLE_S
 
             def do_GET(self) -> None:
                 server.answer(self)
@@ -36,7 +76,11 @@ class PeerServer:
             def log_message(self, format: str, *args: Any) -> None:
                 log.debug("peer %s: " + format, self.client_address[0], *args)
 
-        self._http = ThreadingHTTPServer(address, Handler)
+        self._http = (
+            ThreadingHTTPServer(address, Handler)
+            if tls is None
+            else _TlsServer(address, Handler, tls, counts)
+        )
         self._http.daemon_threads = True
         self.address = self._http.server_address[:2]
         self._thread = threading.Thread(target=self._http.serve_forever, name="pffs-peer-server", daemon=True)

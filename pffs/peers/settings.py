@@ -42,6 +42,11 @@ class PeerSettings(BaseModel):
     token: SecretStr | None = Field(None, description="the group's shared token")
     token_file: Path | None = Field(None, description="a file holding the group's shared token")
     timeout_s: float = Field(2.0, gt=0, le=60, description="seconds a member may take to answer")
+    tls_dir: Path | None = Field(
+        None,
+        description="a folder holding ca.crt, tls.crt and tls.key (a Kubernetes TLS Secret's files): "
+        "members then talk TLS and each must show a certificate the CA signed",
+    )
 
     @field_validator("members", mode="before")
     @classmethod

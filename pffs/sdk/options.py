@@ -90,7 +90,8 @@ def cache_settings(raw: dict[str, Any]) -> CacheSettings:
 
 # A cache group (pffs.peers): peers="10.0.0.7:9830,10.0.0.8:9830" (or a list) and/or peers_file (one
 # HOST:PORT per line, read again when it changes), peer_listen (this process's own member address; none: it
-# reads from the group and serves nothing), peer_token or peer_token_file, peer_timeout (seconds).
+# reads from the group and serves nothing), peer_token or peer_token_file, peer_timeout (seconds),
+# peer_tls_dir (mutual TLS: a folder of ca.crt, tls.crt, tls.key).
 PEER_OPTIONS = {
     "peers": "members",
     "peers_file": "members_file",
@@ -98,6 +99,7 @@ PEER_OPTIONS = {
     "peer_token": "token",
     "peer_token_file": "token_file",
     "peer_timeout": "timeout_s",
+    "peer_tls_dir": "tls_dir",
 }
 
 

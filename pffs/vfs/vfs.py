@@ -81,7 +81,8 @@ class Vfs:
         if settings.listen is not None:
             try:
                 serve = partial(self._serve_block, root)
-                PeerServer(split_address(settings.listen), group.token, serve, group.counts).start()
+                address = split_address(settings.listen)
+                PeerServer(address, group.token, serve, group.counts, group.tls_server).start()
             except OSError as exc:
                 raise BadOptionError(
                     f"cannot serve the cache group on {settings.listen}: {exc.strerror}"

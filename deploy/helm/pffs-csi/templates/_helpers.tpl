@@ -111,6 +111,39 @@ imagePullSecrets:
 /etc/pffs/cache-group
 {{- end -}}
 
+{{- define "pffs-csi.cacheGroupTlsDir" -}}
+/etc/pffs/cache-group-tls
+{{- end -}}
+
+{{/* The cache group's Secrets as volumes and their mounts: the same in the plugin and the mounter. */}}
+{{- define "pffs-csi.cacheGroupMounts" -}}
+{{- if .Values.cacheGroup.enabled }}
+- name: cache-group-token
+  mountPath: {{ include "pffs-csi.cacheGroupTokenDir" . }}
+  readOnly: true
+{{- if .Values.cacheGroup.tlsSecret }}
+- name: cache-group-tls
+  mountPath: {{ include "pffs-csi.cacheGroupTlsDir" . }}
+  readOnly: true
+{{- end }}
+{{- end }}
+{{- end -}}
+
+{{- define "pffs-csi.cacheGroupVolumes" -}}
+{{- if .Values.cacheGroup.enabled }}
+- name: cache-group-token
+  secret:
+    secretName: {{ .Values.cacheGroup.tokenSecret }}
+    defaultMode: 0400
+{{- if .Values.cacheGroup.tlsSecret }}
+- name: cache-group-tls
+  secret:
+    secretName: {{ .Values.cacheGroup.tlsSecret }}
+    defaultMode: 0400
+{{- end }}
+{{- end }}
+{{- end -}}
+
 {{- define "pffs-csi.checkCacheGroup" -}}
 {{- if and .Values.cacheGroup.enabled (not .Values.hostNetwork) -}}
 {{- fail "cacheGroup.enabled needs hostNetwork: true (the mounts serve the group on the node's address)" -}}
