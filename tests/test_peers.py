@@ -95,6 +95,14 @@ def test_a_members_file_is_read_again_when_it_changes(
     assert len(group.members()) == 3
     listed.write_text("10.0.0.2:9830\n")
     assert group.members() == ("10.0.0.2:9830",)
+    # A same-sized file renamed over it within one tick of a coarse clock (kernels before 6.13): the
+    # times say nothing changed, the contents do.
+    stamp = listed.stat().st_mtime_ns
+    replacement = tmp_path / "members.new"
+    replacement.write_text("10.0.0.4:9830\n")
+    replacement.replace(listed)
+    os.utime(listed, ns=(stamp, stamp))
+    assert group.members() == ("10.0.0.4:9830",)
     with pytest.raises(ValueError, match="cannot read the members file"):
         PeerGroup(PeerSettings(members_file=tmp_path / "none", token=TOKEN), "s3 x")
     with pytest.raises(ValueError, match="name the group's members"):

@@ -65,7 +65,7 @@ class PeerGroup:
         self._local = threading.local()
         self._pid = os.getpid()
         self._members = settings.members
-        self._file_seen: tuple[int, int] | None = None  # the members file's (mtime_ns, size) last read
+        self._file_failing = False  # the last look at the members file failed (said once, not per look)
         self._file_checked = float("-inf")
         self._file_lock = threading.Lock()
         if settings.members_file is not None:  # at the start, a file that cannot be used is an error
@@ -89,24 +89,23 @@ class PeerGroup:
         return self._members
 
     def _reread_members_file(self) -> None:
+        # Read whole each time (a small file, once a second at most): a file's times can miss a change
+        # (coarse timestamps, a same-sized file renamed over it within one tick).
         path = self.settings.members_file
         assert path is not None
         self._file_checked = time.monotonic()
         try:
-            st = path.stat()
-            if (st.st_mtime_ns, st.st_size) == self._file_seen:
-                return
             listed = read_members_file(path)
         except (OSError, ValueError) as exc:
-            if self._file_seen != (-1, -1):  # said once per failure, not per check
+            if not self._file_failing:
                 log.warning("cache group: cannot use the members file (%s); keeping the last members", exc)
-                self._file_seen = (-1, -1)
+                self._file_failing = True
             return
+        self._file_failing = False
         members = tuple(dict.fromkeys((*self.settings.members, *listed)))
         if members != self._members:
             log.info("cache group: %d members from %s: %s", len(members), path, ", ".join(members))
         self._members = members
-        self._file_seen = (st.st_mtime_ns, st.st_size)
 
     def request(self, key: str, info: ObjectInfo, start: int, end: int) -> BlockRequest:
         return BlockRequest(
