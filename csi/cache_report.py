@@ -61,6 +61,12 @@ def build_report(manager: VolumeManager) -> dict[str, Any]:
         entry = datasets.setdefault(url, {"cached_bytes": 0, "total_bytes": 0})
         entry["cached_bytes"] = max(entry["cached_bytes"], cached)
         entry["total_bytes"] = max(entry["total_bytes"], total)
+    with manager.state.lock:  # datasets warmed here by DatasetWarmups, as they were when each ended
+        warmed = dict(manager.state.records.warmed)
+    for url, found in warmed.items():
+        entry = datasets.setdefault(url, {"cached_bytes": 0, "total_bytes": 0})
+        entry["cached_bytes"] = max(entry["cached_bytes"], found.cached_bytes)
+        entry["total_bytes"] = max(entry["total_bytes"], found.total_bytes)
     node_cache = manager.config.cache
     return {
         "datasets": dict(sorted(datasets.items())),

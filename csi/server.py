@@ -56,6 +56,8 @@ class PluginOptions:
     kubelet_dir: Path | None = None  # the kubelet's root dir, at the same path as on the host
     mounter: Path | None = None  # the socket of `pffs csi-mounter` (None: start mounts in this process)
     cache_group: GroupConfig | None = None  # None: volumes asking for a cache group are refused
+    warmups: bool = False  # DatasetWarmups: a node warms its cache; a controller resolves and rolls up
+    namespace: str | None = None  # the plugin's own (warm-ups' Secrets, the controller's Lease)
 
 
 def grpc_address(endpoint: str) -> tuple[str, str | None]:
@@ -116,6 +118,8 @@ class Plugin:
         self.registration: KubeletRegistration | None = None
         self.runner: MountRunner | None = None
         self.group_watch: NodeWatch | None = None
+        self.warmer: Any = None
+        self.warmup_controller: Any = None
         self.server = grpc.server(concurrent.futures.ThreadPoolExecutor(16, thread_name_prefix="csi-rpc"))
         serve_node = options.mode in ("node", "all")
         serve_controller = options.mode in ("controller", "all")
@@ -126,6 +130,8 @@ class Plugin:
             csi_pb2_grpc.add_ControllerServicer_to_server(ControllerServicer(self.metrics), self.server)
         if serve_node:
             self._setup_node()
+        if serve_controller and options.warmups:
+            self._setup_warmup_controller()
 
     def _setup_node(self) -> None:
         options = self.options
@@ -163,6 +169,12 @@ class Plugin:
                 published = NodeAnnotation(options.node_id, api, GROUP_ANNOTATION)
                 self.group_watch = NodeWatch(api, membership, published.write)
         self.volumes = VolumeManager(config, self.metrics, starter, api, membership)
+        if options.warmups:
+            if api is None:
+                raise ValueError("--warmups needs the API server (--in-cluster or --kubeconfig)")
+            from pffs.csi.warmup_node import NodeWarmer
+
+            self.warmer = NodeWarmer(api.api_client, options.node_id, self.volumes, options.namespace)
         self.volumes.adopt()
         csi_pb2_grpc.add_NodeServicer_to_server(NodeServicer(self.volumes, self.metrics), self.server)
         # Checks every mount and repairs the dead ones.
@@ -184,6 +196,16 @@ class Plugin:
                 options.report_interval_s,
                 f"Node {options.node_id}",
             )
+
+    def _setup_warmup_controller(self) -> None:
+        from pffs.csi.warmup_controller import WarmupController
+
+        api = kubernetes_api(self.options)
+        if api is None or self.options.namespace is None:
+            raise ValueError(
+                "--warmups in controller mode needs the API (--in-cluster or --kubeconfig) and --namespace"
+            )
+        self.warmup_controller = WarmupController(api.api_client, self.options.namespace)
 
     def _supervise(self) -> None:
         if self.runner is not None:
@@ -217,6 +239,10 @@ class Plugin:
             self.reporter.start()
         if self.group_watch:
             self.group_watch.start()
+        if self.warmer:
+            self.warmer.start()
+        if self.warmup_controller:
+            self.warmup_controller.start()
         log.info(
             "%s %s serving %s on %s (node %s)",
             DRIVER_NAME,
@@ -237,6 +263,10 @@ class Plugin:
             self.reporter.stop()
         if self.group_watch:
             self.group_watch.stop()
+        if self.warmer:
+            self.warmer.stop()
+        if self.warmup_controller:
+            self.warmup_controller.stop()
         if self.volumes:
             self.volumes.close()
         if self.runner:

@@ -44,8 +44,16 @@ class Staged(BaseModel):
     targets: dict[str, Target] = Field(default_factory=dict)
 
 
+class Warmed(BaseModel):
+    """What a DatasetWarmup left in this node's cache (for the cache report), when it ended."""
+
+    cached_bytes: int
+    total_bytes: int
+
+
 class Records(BaseModel):
     staged: dict[str, Staged] = Field(default_factory=dict)  # by staging path
+    warmed: dict[str, Warmed] = Field(default_factory=dict)  # by dataset URL
 
 
 def path_key(path: str) -> str:

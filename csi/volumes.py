@@ -45,7 +45,7 @@ from pffs.csi.mounts import (
 )
 from pffs.csi.pods import PodRef, Pods
 from pffs.csi.rpc import Abort, Code, KeyedLocks, with_deadline, with_secret_hint
-from pffs.csi.state import NodeState, Staged, Target, path_key
+from pffs.csi.state import NodeState, Staged, Target, Warmed, path_key
 from pffs.fuse import mount_record
 from pffs.fuse.launch import MountStartError
 from pffs.fuse.options import MountOptions
@@ -609,6 +609,12 @@ class VolumeManager:
             raise Abort(
                 Code.INVALID_ARGUMENT, f"source {attributes.source} is an object, not a prefix or folder"
             )
+
+    def record_warmed(self, dataset: str, cached_bytes: int, total_bytes: int) -> None:
+        """A DatasetWarmup ended on this node: its dataset goes into the cache report."""
+        with self.state.lock:
+            self.state.records.warmed[dataset] = Warmed(cached_bytes=cached_bytes, total_bytes=total_bytes)
+            self.state.save()
 
     def disk_bytes_used(self) -> int:
         """Block bytes in the node's shared disk cache."""

@@ -133,6 +133,18 @@ def add_parsers(sub: Any, verbosity: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="how long a member may take to answer before the block comes from the backend (default 2)",
     )
+    p.add_argument(
+        "--warmups",
+        action="store_true",
+        help="DatasetWarmup resources (pffs.io/v1alpha1): in node mode, warm this node's cache for the "
+        "warm-ups that chose it; in controller mode, resolve them, roll their progress up and ungate the "
+        "pods waiting for them (needs --in-cluster or --kubeconfig)",
+    )
+    p.add_argument(
+        "--namespace",
+        help="the plugin's own namespace: warm-ups' Secrets, the controller's Lease (default: "
+        "$POD_NAMESPACE, else the pod's service account's)",
+    )
     _log_format_option(p)
     p.set_defaults(run=run)
 
@@ -194,6 +206,7 @@ def run_mounter(args: argparse.Namespace) -> int:
 
 def run(args: argparse.Namespace) -> int:
     from pffs.csi.server import PluginOptions, serve
+    from pffs.csi.warmups import own_namespace
 
     endpoint = args.endpoint or os.environ.get("CSI_ENDPOINT")
     node_id = args.node_id or os.environ.get("NODE_ID")
@@ -237,6 +250,8 @@ def run(args: argparse.Namespace) -> int:
         kubelet_dir=args.kubelet_dir,
         mounter=mounter,
         cache_group=_cache_group(args),
+        warmups=args.warmups,
+        namespace=args.namespace or os.environ.get("POD_NAMESPACE") or own_namespace(),
     )
     try:
         from pffs.csi.server import Plugin  # noqa: F401  (import errors surface here, before serving)

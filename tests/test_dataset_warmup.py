@@ -1,0 +1,364 @@
+"""DatasetWarmup (pffs.io/v1alpha1) on a real API server: the CRD refuses a bad spec with its own message;
+the controller (`pffs csi --mode controller --warmups`) resolves the dataset and the nodes; node plugins
+(`pffs csi --mode node --warmups`, processes standing in for nodes, each with its own disk cache) warm their
+own cache; progress moves in steps a watcher sees, up to 100%, with exact bytes in each node's cache and the
+dataset in each node's cache report; a plugin killed mid-warm-up goes on, when started again, without
+fetching again what it had; a pod held by the scheduling gate `pffs.io/warmup` is ungated once its warm-up
+ended.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import fsspec
+import pytest
+import s3fs
+import yaml
+from helpers import pattern, sha256
+
+from pffs.config import CacheSettings
+from pffs.testing.csi_plugin import CsiPlugin
+from pffs.testing.s3_server import SeaweedS3
+from pffs.vfs import shared_block_cache
+
+pytestmark = [pytest.mark.kube, pytest.mark.s3, pytest.mark.timeout(300)]
+
+CRD = Path(__file__).parents[1] / "deploy" / "helm" / "pffs-csi" / "crds" / "datasetwarmups.pffs.io.yaml"
+SYSTEM = "pffs-system"
+BLOCK = 256 << 10
+G, V, P = "pffs.io", "v1alpha1", "datasetwarmups"
+
+
+@pytest.fixture(scope="module")
+def api_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    from kubernetes import client
+
+    from pffs.testing.kube_cluster import KubeControlPlane, missing_binaries
+
+    missing = missing_binaries()
+    if missing:
+        if os.environ.get("PFFS_REQUIRE_SERVERS"):
+            pytest.fail(f"missing {missing}: run the README's setup")
+        pytest.skip(f"needs {', '.join(missing)} (scripts/build_kube.sh)")
+    with KubeControlPlane(tmp_path_factory.mktemp("kube"), start_scheduler=False) as control_plane:
+        api = control_plane.api()
+        client.ApiextensionsV1Api(api).create_custom_resource_definition(yaml.safe_load(CRD.read_text()))
+        client.CoreV1Api(api).create_namespace({"metadata": {"name": SYSTEM}})
+        wait_for("the CRD served", lambda: _lists(api), 30)
+        yield control_plane
+
+
+def _lists(api: Any) -> bool:
+    from kubernetes import client
+
+    try:
+        client.CustomObjectsApi(api).list_namespaced_custom_object(G, V, "default", P)
+        return True
+    except Exception:
+        return False
+
+
+def wait_for(what: str, check: Callable[[], Any], timeout_s: float, interval_s: float = 0.1) -> Any:
+    deadline = time.monotonic() + timeout_s
+    last: Any = None
+    while time.monotonic() < deadline:
+        try:
+            last = check()
+        except Exception as exc:
+            last = exc
+        if last and not isinstance(last, Exception):
+            return last
+        time.sleep(interval_s)
+    raise AssertionError(f"{what}: not within {timeout_s} s (last: {last!r})")
+
+
+def warmup(name: str, **spec: Any) -> dict[str, Any]:
+    return {"apiVersion": f"{G}/{V}", "kind": "DatasetWarmup", "metadata": {"name": name}, "spec": spec}
+
+
+# -- the CRD's own checks ------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ({"source": "s3://b/ds"}, "spec.nodes: Required value"),
+        ({"source": "s3://b/ds", "storageClass": "x", "nodes": {"names": ["a"]}}, "name the dataset once"),
+        ({"source": "ftp://b/ds", "nodes": {"names": ["a"]}}, "source must be s3://bucket/prefix"),
+        ({"source": "s3://b/ds", "paths": ["../up"], "nodes": {"names": ["a"]}}, "do not climb with .."),
+        ({"source": "s3://b/ds", "nodes": {"names": ["a"], "selector": {"a": "b"}}}, "choose the nodes once"),
+        ({"source": "s3://b/ds", "nodes": {"names": ["a"]}, "bytesPerSecond": 0}, "bytesPerSecond"),
+    ],
+    ids=["no-nodes", "two-datasets", "bad-scheme", "climbing-path", "two-node-choices", "zero-rate"],
+)
+def test_a_bad_spec_is_refused_by_the_api_server_with_its_message(
+    api_server: Any, spec: dict[str, Any], message: str
+) -> None:
+    from kubernetes import client
+    from kubernetes.client.exceptions import ApiException
+
+    custom = client.CustomObjectsApi(api_server.api())
+    with pytest.raises(ApiException) as refused:
+        custom.create_namespaced_custom_object(G, V, "default", P, warmup("bad", **spec))
+    assert refused.value.status == 422
+    assert message in json.loads(refused.value.body)["message"]
+
+
+# -- warming, on plugins standing in for nodes ---------------------------------------------------------------
+class Cluster:
+    def __init__(self, api_server: Any, root: Path, stack: contextlib.ExitStack) -> None:
+        from kubernetes import client
+
+        self.api = api_server.api()
+        self.kubeconfig = api_server.kubeconfig
+        self.core = client.CoreV1Api(self.api)
+        self.custom = client.CustomObjectsApi(self.api)
+        self.root = root
+        self.stack = stack
+        self.plugins: dict[str, CsiPlugin] = {}
+
+    def controller(self) -> CsiPlugin:
+        root = self.root / "controller"
+        root.mkdir()
+        plugin = CsiPlugin(
+            root, "--kubeconfig", str(self.kubeconfig), "--warmups", "--namespace", SYSTEM,
+            node_id="controller", mode="controller",
+        )  # fmt: skip
+        return self.stack.enter_context(plugin)
+
+    def node(self, name: str, labels: dict[str, str]) -> CsiPlugin:
+        if name not in {n.metadata.name for n in self.core.list_node().items}:
+            self.core.create_node({"metadata": {"name": name, "labels": labels}})
+        root = self.root / name
+        root.mkdir(exist_ok=True)
+        plugin = CsiPlugin(
+            root, "--kubeconfig", str(self.kubeconfig), "--warmups", "--namespace", SYSTEM,
+            "--report-interval", "1", "--cache-size", "1G",
+            node_id=name, mode="node", cache_dir=root / "cache",
+        )  # fmt: skip
+        self.plugins[name] = self.stack.enter_context(plugin)
+        return plugin
+
+    def status(self, name: str) -> dict[str, Any]:
+        return dict(self.custom.get_namespaced_custom_object(G, V, "default", P, name).get("status") or {})
+
+    def cache_report(self, node: str) -> dict[str, Any]:
+        annotations = self.core.read_node(node).metadata.annotations or {}
+        return dict(json.loads(annotations.get("pffs.io/cache", "{}")))
+
+
+@pytest.fixture
+def cluster(api_server: Any, tmp_path: Path) -> Iterator[Cluster]:
+    with contextlib.ExitStack() as stack:
+        made = Cluster(api_server, tmp_path, stack)
+        try:
+            yield made
+        finally:
+            stack.close()
+            for item in made.custom.list_namespaced_custom_object(G, V, "default", P)["items"]:
+                with contextlib.suppress(Exception):
+                    made.custom.delete_namespaced_custom_object(G, V, "default", P, item["metadata"]["name"])
+            for node in made.plugins:
+                with contextlib.suppress(Exception):
+                    made.core.delete_node(node)
+
+
+@pytest.fixture
+def dataset(
+    raw_s3: s3fs.S3FileSystem, bucket: str, s3_server: SeaweedS3, api_server: Any
+) -> dict[str, bytes]:
+    from kubernetes import client
+
+    files = {f"train/{i:02d}.bin": pattern(200_000 + i, seed=i) for i in range(8)}
+    files["train/large.bin"] = pattern(5 * BLOCK + 99, seed=77)
+    files["val/skip.bin"] = pattern(50_000, seed=5)  # outside the warm-up's paths
+    raw_s3.pipe({f"{bucket}/ds/{name}": data for name, data in files.items()})
+    core = client.CoreV1Api(api_server.api())
+    secret = {
+        "metadata": {"name": "s3-credentials"},
+        "stringData": {"accessKeyId": s3_server.access_key, "secretAccessKey": s3_server.secret_key},
+    }
+    with contextlib.suppress(Exception):
+        core.delete_namespaced_secret("s3-credentials", SYSTEM)
+    core.create_namespaced_secret(SYSTEM, secret)
+    return {k: v for k, v in files.items() if k.startswith("train/")}
+
+
+def spec_for(bucket: str, s3_server: SeaweedS3, **extra: Any) -> dict[str, Any]:
+    return {
+        "source": f"s3://{bucket}/ds",
+        "endpointUrl": s3_server.endpoint_url,
+        "blockSize": str(BLOCK),
+        "secretName": "s3-credentials",
+        "paths": ["train"],
+        **extra,
+    }
+
+
+def cached_exactly(cache_dir: Path, bucket: str, s3_server: SeaweedS3, files: dict[str, bytes]) -> bool:
+    """Every file read through a filesystem over `cache_dir` alone is exact, with no GET."""
+    fs = fsspec.filesystem(
+        "pffs", target=f"s3://{bucket}/ds", cache_dir=str(cache_dir), block_size=BLOCK,
+        skip_instance_cache=True, **s3_server.storage_options(),
+    )  # fmt: skip
+    for name, data in files.items():
+        assert sha256(fs.cat(name)) == sha256(data), name
+    return int(fs.vfs.backend.requests.snapshot()["get"]["requests"]) == 0
+
+
+def test_a_warmup_reaches_100_percent_on_its_nodes_in_steps_and_their_reports_say_so(
+    cluster: Cluster, s3_server: SeaweedS3, bucket: str, dataset: dict[str, bytes]
+) -> None:
+    cluster.controller()
+    nodes = [cluster.node(f"gpu-{i}", {"pool": "gpu"}) for i in range(2)]
+    cluster.node("cpu-0", {"pool": "cpu"})  # not chosen
+    total = sum(len(d) for d in dataset.values())
+    spec = spec_for(bucket, s3_server, nodes={"selector": {"pool": "gpu"}}, bytesPerSecond=total // 2)
+    cluster.custom.create_namespaced_custom_object(G, V, "default", P, warmup("imagenet", **spec))
+    seen: list[str] = []
+
+    def done() -> bool:
+        status = cluster.status("imagenet")
+        if status.get("progress") and (not seen or seen[-1] != status["progress"]):
+            seen.append(status["progress"])
+        return status.get("phase") == "Succeeded"
+
+    wait_for("the warm-up to succeed", done, 60, interval_s=0.05)
+    status = cluster.status("imagenet")
+    assert sorted(status["nodes"]) == ["gpu-0", "gpu-1"]
+    assert status["nodesDone"] == "2/2" and status["progress"] == "100%"
+    assert status["bytesDone"] == status["bytesTotal"] == 2 * total
+    assert status["filesDone"] == status["filesTotal"] == 2 * len(dataset)
+    assert len([p for p in seen if p not in ("0%", "100%")]) >= 2, seen  # steps a watcher sees
+    assert [int(p.rstrip("%")) for p in seen] == sorted(int(p.rstrip("%")) for p in seen), seen
+    for node in nodes:
+        assert cached_exactly(node.cache_dir, bucket, s3_server, dataset)  # type: ignore[arg-type]
+    url = f"s3://{bucket}/ds"
+    for name in ("gpu-0", "gpu-1"):
+        report = wait_for(
+            f"{name}'s report", lambda n=name: cluster.cache_report(n).get("datasets", {}).get(url), 15
+        )
+        assert report["cached_bytes"] == report["total_bytes"] == total
+    assert url not in cluster.cache_report("cpu-0").get("datasets", {})
+    events = cluster.core.list_namespaced_event("default").items
+    assert any(e.reason == "Succeeded" and e.involved_object.name == "imagenet" for e in events)
+
+
+def test_a_plugin_killed_mid_warmup_goes_on_without_fetching_again_what_it_had(
+    cluster: Cluster, s3_server: SeaweedS3, bucket: str, dataset: dict[str, bytes]
+) -> None:
+    cluster.controller()
+    node = cluster.node("gpu-9", {"pool": "solo"})
+    total = sum(len(d) for d in dataset.values())
+    spec = spec_for(bucket, s3_server, nodes={"names": ["gpu-9"]}, bytesPerSecond=total // 4)
+    cluster.custom.create_namespaced_custom_object(G, V, "default", P, warmup("resume", **spec))
+
+    def halfway() -> bool:
+        entry = cluster.status("resume").get("nodes", {}).get("gpu-9", {})
+        return total // 4 < entry.get("bytesDone", 0) < total * 3 // 4
+
+    wait_for("the warm-up halfway", halfway, 30, interval_s=0.05)
+    node.kill()
+    had = shared_block_cache(CacheSettings(cache_dir=node.cache_dir)).machine_totals()["bytes_fetched"]
+    assert 0 < had < total
+    node.start()
+    wait_for("the warm-up to succeed", lambda: cluster.status("resume").get("phase") == "Succeeded", 60)
+    fetched = shared_block_cache(CacheSettings(cache_dir=node.cache_dir)).machine_totals()["bytes_fetched"]
+    # What was on disk is not fetched again; at most the blocks in flight when it was killed (8 workers).
+    assert total <= fetched <= total + 8 * BLOCK, (had, fetched, total)
+    assert cluster.status("resume")["nodes"]["gpu-9"]["bytesFetched"] <= total - had + 8 * BLOCK
+    assert cached_exactly(node.cache_dir, bucket, s3_server, dataset)  # type: ignore[arg-type]
+
+
+def test_a_gated_pod_is_ungated_when_its_warmup_ended(
+    cluster: Cluster, s3_server: SeaweedS3, bucket: str, dataset: dict[str, bytes]
+) -> None:
+    cluster.controller()
+    cluster.node("gpu-5", {"pool": "gate"})
+    pod = {
+        "metadata": {"name": "trainer", "labels": {"pffs.io/warmup": "before-training"}},
+        "spec": {
+            "schedulingGates": [{"name": "pffs.io/warmup"}, {"name": "example.com/quota"}],
+            "containers": [{"name": "train", "image": "busybox"}],
+        },
+    }
+    cluster.core.create_namespaced_pod("default", pod)
+    try:
+        spec = spec_for(bucket, s3_server, nodes={"names": ["gpu-5"]})
+        cluster.custom.create_namespaced_custom_object(G, V, "default", P, warmup("before-training", **spec))
+
+        def gates() -> list[str]:
+            found = cluster.core.read_namespaced_pod("trainer", "default").spec.scheduling_gates or []
+            return [g.name for g in found]
+
+        assert "pffs.io/warmup" in gates()
+        wait_for("the pod ungated", lambda: gates() == ["example.com/quota"], 60)
+        assert cluster.status("before-training")["phase"] == "Succeeded"  # not before it ended
+    finally:
+        cluster.core.delete_namespaced_pod("trainer", "default", grace_period_seconds=0)
+
+
+def test_a_warmup_of_a_claim_resolves_its_volume_and_a_missing_one_fails_with_its_name(
+    cluster: Cluster, s3_server: SeaweedS3, bucket: str, dataset: dict[str, bytes]
+) -> None:
+    cluster.controller()
+    cluster.node("gpu-7", {"pool": "claim"})
+    attributes = {
+        "source": f"s3://{bucket}/ds",
+        "endpointUrl": s3_server.endpoint_url,
+        "blockSize": str(BLOCK),
+    }
+    cluster.core.create_persistent_volume(
+        {
+            "metadata": {"name": "ds-volume"},
+            "spec": {
+                "capacity": {"storage": "1Gi"},
+                "accessModes": ["ReadOnlyMany"],
+                "storageClassName": "",
+                "csi": {"driver": "csi.pffs.io", "volumeHandle": "ds", "volumeAttributes": attributes},
+            },
+        }
+    )
+    cluster.core.create_namespaced_persistent_volume_claim(
+        "default",
+        {
+            "metadata": {"name": "ds"},
+            "spec": {
+                "accessModes": ["ReadOnlyMany"],
+                "storageClassName": "",
+                "volumeName": "ds-volume",
+                "resources": {"requests": {"storage": "1Gi"}},
+            },
+        },
+    )
+    try:
+        wait_for(
+            "the claim bound",
+            lambda: (
+                cluster.core.read_namespaced_persistent_volume_claim("ds", "default").status.phase == "Bound"
+            ),
+            60,
+        )
+        spec = {
+            "volumeClaim": "ds",
+            "secretName": "s3-credentials",
+            "paths": ["train"],
+            "nodes": {"names": ["gpu-7"]},
+        }
+        cluster.custom.create_namespaced_custom_object(G, V, "default", P, warmup("by-claim", **spec))
+        wait_for("by-claim to succeed", lambda: cluster.status("by-claim").get("phase") == "Succeeded", 60)
+        assert cluster.status("by-claim")["resolved"] == attributes
+        missing = {"volumeClaim": "nope", "nodes": {"names": ["gpu-7"]}}
+        cluster.custom.create_namespaced_custom_object(G, V, "default", P, warmup("no-claim", **missing))
+        wait_for("no-claim to fail", lambda: cluster.status("no-claim").get("phase") == "Failed", 30)
+        assert "volumeClaim nope" in cluster.status("no-claim")["lastError"]
+    finally:
+        with contextlib.suppress(Exception):
+            cluster.core.delete_namespaced_persistent_volume_claim("ds", "default")
+        with contextlib.suppress(Exception):
+            cluster.core.delete_persistent_volume("ds-volume")
