@@ -23,7 +23,7 @@ fi
 
 rendered=$(mktemp)
 trap 'rm -f "$rendered"' EXIT
-"$helm" template "$release" "$chart" --namespace "$namespace" >"$rendered"
+"$helm" template "$release" "$chart" --namespace "$namespace" --include-crds >"$rendered"
 
 header() {
     cat <<HEADER

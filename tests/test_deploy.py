@@ -651,6 +651,7 @@ def assert_node_rbac(objects: list[dict[str, Any]]) -> None:
     volumes' group addresses. The mounter: nothing, not even a token."""
     node = one(objects, "DaemonSet", "pffs-csi-node")["spec"]["template"]["spec"]
     in_group = "--cache-group-token-file" in container(node, "pffs-csi")["args"]
+    warms = "--warmups" in container(node, "pffs-csi")["args"]
     assert rules_of(objects, node["serviceAccountName"]) == {
         ("", "nodes", "get"),
         ("", "nodes", "patch"),
@@ -658,7 +659,17 @@ def assert_node_rbac(objects: list[dict[str, Any]]) -> None:
         ("", "events", "patch"),
         ("", "pods", "get"),
         ("", "persistentvolumeclaims", "get"),
-    } | ({("", "nodes", "list"), ("", "nodes", "watch")} if in_group else set())
+    } | ({("", "nodes", "list"), ("", "nodes", "watch")} if in_group else set()) | (
+        {
+            ("pffs.io", "datasetwarmups", "get"),
+            ("pffs.io", "datasetwarmups", "list"),
+            ("pffs.io", "datasetwarmups", "watch"),
+            ("pffs.io", "datasetwarmups/status", "patch"),
+            ("", "secrets", "get"),  # a Role: in its own namespace only
+        }
+        if warms
+        else set()
+    )
     mounter = one(objects, "DaemonSet", "pffs-csi-mounter")["spec"]["template"]["spec"]
     account = mounter["serviceAccountName"]
     assert account != node["serviceAccountName"]

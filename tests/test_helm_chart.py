@@ -85,6 +85,7 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
         },
     },
     "no-controller": {"controller": {"enabled": False}, "metrics": {"enabled": False}, "logLevel": 0},
+    "warmups": {"warmups": {"enabled": True}},
     "cache-group": {
         "hostNetwork": True,
         "cacheGroup": {"enabled": True, "ports": "9900-9909", "tlsSecret": "pffs-cache-group-tls"},
@@ -125,15 +126,21 @@ def run_helm(*args: str, values: dict[str, Any] | None = None) -> subprocess.Com
 @functools.cache
 def _template(values_json: str) -> tuple[Any, ...]:
     answer = run_helm(
-        "template", RELEASE, str(CHART), "--namespace", NAMESPACE, values=json.loads(values_json)
+        "template",
+        RELEASE,
+        str(CHART),
+        "--namespace",
+        NAMESPACE,
+        "--include-crds",
+        values=json.loads(values_json),
     )
     assert answer.returncode == 0, f"helm template failed:\n{answer.stderr}"
     return tuple(doc for doc in yaml.safe_load_all(answer.stdout) if doc)
 
 
 def template(values: dict[str, Any]) -> list[dict[str, Any]]:
-    """The objects `helm template pffs-csi deploy/helm/pffs-csi -n pffs-system -f VALUES` renders (once per
-    run: treat them as read-only)."""
+    """The objects `helm template pffs-csi deploy/helm/pffs-csi -n pffs-system --include-crds -f VALUES`
+    renders, the CRDs `helm install` applies first included (once per run: treat them as read-only)."""
     return list(_template(json.dumps(values, sort_keys=True)))
 
 
