@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pffs.csi.list_watch import ListWatch
 from pffs.csi.periodic import Periodic
 from pffs.csi.state import path_key
 from pffs.peers.settings import PeerSettings
@@ -36,8 +37,6 @@ log = logging.getLogger(__name__)
 
 GROUP_ANNOTATION = "pffs.io/cache-group"
 MODES = ("off", "share", "consume")
-WATCH_S = 300  # one watch request lasts this long, then goes on from where it was
-MAX_BACKOFF_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -200,30 +199,32 @@ def _write_atomically(path: Path, text: str) -> None:
 
 
 class NodeWatch:
-    """A thread: list the Nodes, then watch them, feeding `membership`; after a failure, list again
-    (with backoff). Another thread publishes this node's annotation when it changed."""
+    """Follows the Nodes (list, then watch) into `membership`; another thread publishes this node's
+    annotation when what it serves changed."""
 
     def __init__(self, api: Any, membership: Membership, publish: Callable[[str], None]) -> None:
-        self.api = api  # kubernetes.client.CoreV1Api
         self.membership = membership
         self.publish = publish
-        self._stop = threading.Event()
-        self._watch: Any = None
-        self._thread = threading.Thread(target=self._run, name="cache-group-watch", daemon=True)
+        self._nodes = ListWatch("cache group: the Nodes", api.list_node, (), self._listed, self._changed)
         self._last_published: str | None = None
         self._publishing = Periodic("cache-group-publish", self._publish_if_changed, 1.0, 0.0)
-        self._failing = False
 
     def start(self) -> None:
-        self._thread.start()
+        self._nodes.start()
         self._publishing.start()
 
     def stop(self) -> None:
-        self._stop.set()
-        if self._watch is not None:
-            self._watch.stop()
+        self._nodes.stop()
         self._publishing.stop(timeout_s=5)
-        self._thread.join(timeout=2)
+
+    def _listed(self, nodes: list[Any]) -> None:
+        self.membership.all_nodes({n.metadata.name: n.metadata.annotations for n in nodes})
+
+    def _changed(self, kind: str, node: Any) -> None:
+        if kind == "DELETED":
+            self.membership.node_gone(node.metadata.name)
+        else:
+            self.membership.node_seen(node.metadata.name, node.metadata.annotations)
 
     def _publish_if_changed(self) -> float:
         value = self.membership.published()
@@ -236,49 +237,3 @@ class NodeWatch:
             return 5.0
         self._last_published = value
         return 1.0
-
-    def _run(self) -> None:
-        from kubernetes import watch
-
-        backoff = 1.0
-        while not self._stop.is_set():
-            try:
-                listed = self.api.list_node(_request_timeout=30)
-                self.membership.all_nodes({n.metadata.name: n.metadata.annotations for n in listed.items})
-                version = listed.metadata.resource_version
-                if self._failing:
-                    log.info("cache group: the API server answers again")
-                self._failing = False
-                backoff = 1.0
-                while not self._stop.is_set() and version is not None:
-                    self._watch = watch.Watch()
-                    version = self._follow(version)
-            except Exception as exc:
-                if not self._failing:
-                    log.warning(
-                        "cache group: cannot list or watch the Nodes (%s); members stay as they were, "
-                        "retrying with backoff",
-                        exc,
-                    )
-                self._failing = True
-                self._stop.wait(backoff)
-                backoff = min(MAX_BACKOFF_S, 2 * backoff)
-
-    def _follow(self, version: str) -> str | None:
-        """Watches from `version` until the request ends; the version to go on from, or None to list again."""
-        stream = self._watch.stream(
-            self.api.list_node,
-            resource_version=version,
-            timeout_seconds=WATCH_S,
-            _request_timeout=WATCH_S + 30,
-        )
-        for event in stream:
-            kind, node = event["type"], event["object"]
-            if kind == "ERROR":  # most often 410 Gone: the version is too old to watch from
-                return None
-            if kind == "DELETED":
-                self.membership.node_gone(node.metadata.name)
-            else:
-                self.membership.node_seen(node.metadata.name, node.metadata.annotations)
-            version = node.metadata.resource_version
-        return version

@@ -24,6 +24,7 @@ import os
 import queue
 import socket
 import threading
+import time
 from typing import Any
 
 from pffs.csi.identity import DRIVER_NAME
@@ -32,18 +33,21 @@ from pffs.csi.warmups import (
     ENDED,
     FAILED,
     GATE,
+    GROUP,
     LABEL,
     PENDING,
+    PLURAL,
     RUNNING,
     SUCCEEDED,
-    WarmupWatch,
+    VERSION,
     now,
     patch_status,
+    warmup_watch,
 )
 
 log = logging.getLogger(__name__)
 
-RESYNC_S = 3.0
+RESYNC_S = 30.0
 OWN_ATTRIBUTES = ("source", "endpointUrl", "region", "blockSize")
 
 
@@ -58,7 +62,7 @@ class WarmupController:
         identity = f"{socket.gethostname()}-{os.getpid()}"
         self.leader = LeaseLeader(api_client, namespace, "pffs-warmup-controller", identity)
         self._events: queue.SimpleQueue[dict[str, Any] | None] = queue.SimpleQueue()
-        self._watch = WarmupWatch(self.custom, self._events.put, lambda _: None, "warmup-controller-watch")
+        self._watch = warmup_watch(self.custom, self._events.put, lambda _: None)
         self._thread = threading.Thread(target=self._run, name="warmup-controller", daemon=True)
         self._stop = threading.Event()
 
@@ -74,22 +78,26 @@ class WarmupController:
         self.leader.stop()
 
     def _run(self) -> None:
+        # Events while another replica leads are dropped: a replica that becomes the leader goes over
+        # every warm-up first, and again every RESYNC_S (TTLs; anything a lost event left behind).
+        leading, last_resync = False, 0.0
         while not self._stop.is_set():
             try:
-                item = self._events.get(timeout=RESYNC_S)
+                item = self._events.get(timeout=1.0)
             except queue.Empty:
                 item = None
-                if self.leader.is_leader():
-                    self._resync()
+            if not self.leader.is_leader():
+                leading = False
                 continue
-            if item is not None and self.leader.is_leader():
+            if not leading or time.monotonic() - last_resync >= RESYNC_S:
+                leading, last_resync = True, time.monotonic()
+                self._resync()
+            if item is not None:
                 self._reconcile_logged(item)
 
     def _resync(self) -> None:
         try:
-            listed = self.custom.list_cluster_custom_object(
-                "pffs.io", "v1alpha1", "datasetwarmups", _request_timeout=30
-            )
+            listed = self.custom.list_cluster_custom_object(GROUP, VERSION, PLURAL, _request_timeout=30)
         except Exception as exc:
             log.info("DatasetWarmups: cannot list them (%s)", exc)
             return
@@ -247,7 +255,7 @@ class WarmupController:
         if (datetime.datetime.now(datetime.UTC) - ended).total_seconds() >= ttl:
             meta = item["metadata"]
             self.custom.delete_namespaced_custom_object(
-                "pffs.io", "v1alpha1", meta["namespace"], "datasetwarmups", meta["name"], _request_timeout=10
+                GROUP, VERSION, meta["namespace"], PLURAL, meta["name"], _request_timeout=10
             )
             log.info("DatasetWarmup %s/%s deleted (ttlSecondsAfterFinished)", meta["namespace"], meta["name"])
 

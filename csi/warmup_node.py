@@ -28,10 +28,10 @@ from pffs.csi.warmups import (
     FAILED,
     RUNNING,
     SUCCEEDED,
-    WarmupWatch,
     now,
     patch_status,
     secret_values,
+    warmup_watch,
 )
 from pffs.scheduler.kube.locality import normalize_dataset
 from pffs.vfs import Vfs
@@ -74,7 +74,7 @@ class NodeWarmer:
         self._queued: set[str] = set()  # uids waiting or being warmed
         self._deleted: set[str] = set()
         self._lock = threading.Lock()
-        self._watch = WarmupWatch(self.custom, self._seen, self._gone, "warmup-node-watch")
+        self._watch = warmup_watch(self.custom, self._seen, self._gone)
         self._thread = threading.Thread(target=self._run, name="warmup-node", daemon=True)
 
     def start(self) -> None:

@@ -11,9 +11,10 @@ from __future__ import annotations
 import base64
 import datetime
 import logging
-import threading
 from collections.abc import Callable
 from typing import Any
+
+from pffs.csi.list_watch import ListWatch
 
 log = logging.getLogger(__name__)
 
@@ -23,8 +24,6 @@ LABEL = "pffs.io/warmup"  # on a pod: the name of the DatasetWarmup (same namesp
 PENDING, RUNNING, SUCCEEDED, FAILED = "Pending", "Running", "Succeeded", "Failed"
 ENDED = (SUCCEEDED, FAILED)
 MERGE_PATCH = "application/merge-patch+json"
-WATCH_S = 300
-MAX_BACKOFF_S = 30.0
 
 
 def now() -> str:
@@ -60,74 +59,18 @@ def own_namespace() -> str | None:
         return None
 
 
-class WarmupWatch:
-    """A thread: lists every DatasetWarmup, then watches them, calling `seen(object)` for each one added or
-    changed and `gone(object)` for each deleted; after a failure it lists again, with backoff."""
+def warmup_watch(
+    custom: Any, seen: Callable[[dict[str, Any]], None], gone: Callable[[dict[str, Any]], None]
+) -> ListWatch:
+    """Follows every DatasetWarmup: `seen` for each one listed, added or changed, `gone` for each deleted."""
 
-    def __init__(
-        self,
-        custom: Any,
-        seen: Callable[[dict[str, Any]], None],
-        gone: Callable[[dict[str, Any]], None],
-        name: str,
-    ) -> None:
-        self.custom = custom
-        self.seen = seen
-        self.gone = gone
-        self._stop = threading.Event()
-        self._watch: Any = None
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._failing = False
+    def changed(kind: str, item: dict[str, Any]) -> None:
+        (gone if kind == "DELETED" else seen)(item)
 
-    def start(self) -> None:
-        self._thread.start()
+    def listed(items: list[dict[str, Any]]) -> None:
+        for item in items:
+            seen(item)
 
-    def stop(self) -> None:
-        self._stop.set()
-        if self._watch is not None:
-            self._watch.stop()
-        self._thread.join(timeout=2)
-
-    def _run(self) -> None:
-        from kubernetes import watch
-
-        backoff = 1.0
-        while not self._stop.is_set():
-            try:
-                listed = self.custom.list_cluster_custom_object(GROUP, VERSION, PLURAL, _request_timeout=30)
-                for item in listed.get("items", []):
-                    self.seen(item)
-                version = listed.get("metadata", {}).get("resourceVersion")
-                if self._failing:
-                    log.info("DatasetWarmups: the API server answers again")
-                self._failing, backoff = False, 1.0
-                while not self._stop.is_set() and version:
-                    self._watch = watch.Watch()
-                    version = self._follow(version)
-            except Exception as exc:
-                if not self._failing:
-                    log.warning("DatasetWarmups: cannot list or watch them (%s); retrying with backoff", exc)
-                self._failing = True
-                self._stop.wait(backoff)
-                backoff = min(MAX_BACKOFF_S, 2 * backoff)
-
-    def _follow(self, version: str) -> str | None:
-        stream = self._watch.stream(
-            self.custom.list_cluster_custom_object,
-            GROUP,
-            VERSION,
-            PLURAL,
-            resource_version=version,
-            timeout_seconds=WATCH_S,
-            _request_timeout=WATCH_S + 30,
-        )
-        for event in stream:
-            kind, item = event["type"], event["object"]
-            if kind == "ERROR":  # 410 Gone most often: list again
-                return None
-            if kind == "DELETED":
-                self.gone(item)
-            else:
-                self.seen(item)
-            version = item.get("metadata", {}).get("resourceVersion", version)
-        return version
+    return ListWatch(
+        "DatasetWarmups", custom.list_cluster_custom_object, (GROUP, VERSION, PLURAL), listed, changed
+    )

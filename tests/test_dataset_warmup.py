@@ -362,3 +362,24 @@ def test_a_warmup_of_a_claim_resolves_its_volume_and_a_missing_one_fails_with_it
             cluster.core.delete_namespaced_persistent_volume_claim("ds", "default")
         with contextlib.suppress(Exception):
             cluster.core.delete_persistent_volume("ds-volume")
+
+
+def test_a_finished_warmup_is_deleted_after_its_ttl(
+    cluster: Cluster, s3_server: SeaweedS3, bucket: str, dataset: dict[str, bytes]
+) -> None:
+    from kubernetes.client.exceptions import ApiException
+
+    cluster.controller()
+    cluster.node("gpu-3", {"pool": "ttl"})
+    spec = spec_for(bucket, s3_server, nodes={"names": ["gpu-3"]}, ttlSecondsAfterFinished=0)
+    cluster.custom.create_namespaced_custom_object(G, V, "default", P, warmup("short-lived", **spec))
+
+    def gone() -> bool:
+        try:
+            cluster.status("short-lived")
+        except ApiException as exc:
+            return exc.status == 404
+        return False
+
+    wait_for("the warm-up deleted", gone, 60)
+    assert cached_exactly(cluster.plugins["gpu-3"].cache_dir, bucket, s3_server, dataset)  # type: ignore[arg-type]

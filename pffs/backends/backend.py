@@ -444,7 +444,9 @@ class S3Backend(Backend):
         folder = posixpath.dirname(path.rstrip("/"))
         if attributes is None or folder in self._marked:
             return
-        self.write_bytes(posixpath.join(folder, ATTRIBUTES_MARKER), b"")  # no attributes: not marked again
+        # Not write_bytes, which also drops the folder's cached listing: a hidden marker need not.
+        marker = posixpath.join(folder, ATTRIBUTES_MARKER)
+        self._call("put", lambda: self.fs.pipe_file(marker, b"", **self._wait()), marker)
         self._marked.add(folder)
 
     def upload(self, local_path: str, path: str, attributes: PosixAttributes | None = None) -> None:
