@@ -71,3 +71,17 @@ def s3_env(s3_server: SeaweedS3, monkeypatch: pytest.MonkeyPatch) -> dict[str, s
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     return {**os.environ, **env}
+
+
+@pytest.fixture(scope="module")
+def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """etcd, kube-apiserver and the controller-manager (no scheduler, no kubelet), for a module's tests."""
+    from pffs.testing.kube_cluster import KubeControlPlane, missing_binaries
+
+    missing = missing_binaries()
+    if missing:
+        if REQUIRE_SERVERS:
+            pytest.fail(f"missing {', '.join(missing)}: run `make setup` (scripts/build_kube.sh)")
+        pytest.skip(f"needs {', '.join(missing)} (scripts/build_kube.sh)")
+    with KubeControlPlane(tmp_path_factory.mktemp("kube"), start_scheduler=False) as started:
+        yield started

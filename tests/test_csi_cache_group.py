@@ -37,19 +37,6 @@ TOKEN = "a-token-of-this-group-0123456789"
 AccessMode = csi_pb2.VolumeCapability.AccessMode
 
 
-@pytest.fixture(scope="module")
-def api_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    from pffs.testing.kube_cluster import KubeControlPlane, missing_binaries
-
-    missing = missing_binaries()
-    if missing:
-        if os.environ.get("PFFS_REQUIRE_SERVERS"):
-            pytest.fail(f"missing {missing}: run the README's setup")
-        pytest.skip(f"needs {', '.join(missing)} (scripts/build_kube.sh)")
-    with KubeControlPlane(tmp_path_factory.mktemp("kube"), start_scheduler=False) as control_plane:
-        yield control_plane
-
-
 @pytest.fixture
 def dataset(raw_s3: s3fs.S3FileSystem, bucket: str) -> dict[str, bytes]:
     files = {f"small/{i:02d}.bin": pattern(90_000 + i, seed=i) for i in range(10)}
@@ -127,12 +114,12 @@ def wait_for(what: str, check: Callable[[], Any], timeout_s: float = 20) -> Any:
 
 
 @pytest.fixture
-def cluster(api_server: Any, tmp_path: Path) -> Iterator[Callable[[str, str | None], NodePlugin]]:
+def cluster(control_plane: Any, tmp_path: Path) -> Iterator[Callable[[str, str | None], NodePlugin]]:
     """Starts a stand-in node (its Node object and its plugin); at the end every plugin is stopped with its
     mounts and every Node deleted."""
     from kubernetes import client
 
-    core = client.CoreV1Api(api_server.api())
+    core = client.CoreV1Api(control_plane.api())
     token_file = tmp_path / "group-token"
     token_file.write_text(TOKEN)
     token_file.chmod(0o600)
@@ -146,7 +133,9 @@ def cluster(api_server: Any, tmp_path: Path) -> Iterator[Callable[[str, str | No
             root = tmp_path / node
             root.mkdir()
             tls = member_tls(ca, root / "tls", node)  # mutual TLS between the mounts, a certificate each
-            return started.enter_context(NodePlugin(root, node, ip, api_server.kubeconfig, token_file, tls))
+            return started.enter_context(
+                NodePlugin(root, node, ip, control_plane.kubeconfig, token_file, tls)
+            )
 
         try:
             yield start
@@ -158,7 +147,7 @@ def cluster(api_server: Any, tmp_path: Path) -> Iterator[Callable[[str, str | No
 
 
 def test_node_plugins_find_each_other_through_the_api_and_fetch_each_block_once(
-    api_server: Any,
+    control_plane: Any,
     cluster: Callable[[str, str | None], NodePlugin],
     s3_server: SeaweedS3,
     bucket: str,
@@ -166,7 +155,7 @@ def test_node_plugins_find_each_other_through_the_api_and_fetch_each_block_once(
 ) -> None:
     from kubernetes import client
 
-    core = client.CoreV1Api(api_server.api())
+    core = client.CoreV1Api(control_plane.api())
     context = {
         "source": f"s3://{bucket}/ds",
         "endpointUrl": s3_server.endpoint_url,

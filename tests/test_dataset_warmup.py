@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -37,22 +36,15 @@ G, V, P = "pffs.io", "v1alpha1", "datasetwarmups"
 
 
 @pytest.fixture(scope="module")
-def api_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+def api_server(control_plane: Any) -> Any:
+    """The control plane with the DatasetWarmup CRD served and the driver's namespace."""
     from kubernetes import client
 
-    from pffs.testing.kube_cluster import KubeControlPlane, missing_binaries
-
-    missing = missing_binaries()
-    if missing:
-        if os.environ.get("PFFS_REQUIRE_SERVERS"):
-            pytest.fail(f"missing {missing}: run the README's setup")
-        pytest.skip(f"needs {', '.join(missing)} (scripts/build_kube.sh)")
-    with KubeControlPlane(tmp_path_factory.mktemp("kube"), start_scheduler=False) as control_plane:
-        api = control_plane.api()
-        client.ApiextensionsV1Api(api).create_custom_resource_definition(yaml.safe_load(CRD.read_text()))
-        client.CoreV1Api(api).create_namespace({"metadata": {"name": SYSTEM}})
-        wait_for("the CRD served", lambda: _lists(api), 30)
-        yield control_plane
+    api = control_plane.api()
+    client.ApiextensionsV1Api(api).create_custom_resource_definition(yaml.safe_load(CRD.read_text()))
+    client.CoreV1Api(api).create_namespace({"metadata": {"name": SYSTEM}})
+    wait_for("the CRD served", lambda: _lists(api), 30)
+    return control_plane
 
 
 def _lists(api: Any) -> bool:
