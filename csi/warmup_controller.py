@@ -27,6 +27,7 @@ import threading
 import time
 from typing import Any
 
+from pffs.csi.cron import Schedule
 from pffs.csi.identity import DRIVER_NAME
 from pffs.csi.leader import LeaseLeader
 from pffs.csi.warmups import (
@@ -44,10 +45,17 @@ from pffs.csi.warmups import (
     patch_status,
     warmup_watch,
 )
+from pffs.scheduler.kube.names import POD_GROUP_LABEL
 
 log = logging.getLogger(__name__)
 
 RESYNC_S = 30.0
+
+
+class NotYet(Exception):
+    """The nodes cannot be chosen yet (the warm-up waits, it has not failed)."""
+
+
 OWN_ATTRIBUTES = ("source", "endpointUrl", "region", "blockSize")
 
 
@@ -119,10 +127,16 @@ class WarmupController:
         namespace, name = meta["namespace"], meta["name"]
         if "resolved" not in status and status.get("phase") != FAILED:
             try:
+                if "schedule" in spec:
+                    Schedule.parse(spec["schedule"])  # a bad one fails the warm-up here, with its message
                 resolved = self._resolve(namespace, spec)
-                nodes = self._choose_nodes(spec.get("nodes") or {})
+                nodes = self._choose_nodes(namespace, spec.get("nodes") or {})
             except ValueError as exc:
                 self._fail(item, str(exc))
+                return
+            except NotYet as exc:  # a PodGroup with no pod bound yet: asked again at the next resync
+                if status.get("lastError") != str(exc):
+                    patch_status(self.custom, namespace, name, {"phase": PENDING, "lastError": str(exc)})
                 return
             patch_status(
                 self.custom,
@@ -136,6 +150,7 @@ class WarmupController:
                     "startTime": now(),
                     "progress": "0%",
                     "nodesDone": f"0/{len(nodes)}",
+                    "lastError": None,  # (a merge patch's null removes what waiting for a PodGroup said)
                 },
             )
             self._event(item, "Normal", "Resolved", f"warming {resolved['source']} on {len(nodes)} node(s)")
@@ -156,7 +171,33 @@ class WarmupController:
         phase = rolled.get("phase", status.get("phase"))
         if phase in ENDED:
             self._ungate(namespace, name, phase)
-            self._expire(item, rolled.get("completionTime") or status.get("completionTime"))
+            if "schedule" in spec:
+                self._again_if_due(item, Schedule.parse(spec["schedule"]), status)
+            else:
+                self._expire(item, rolled.get("completionTime") or status.get("completionTime"))
+
+    def _again_if_due(self, item: dict[str, Any], schedule: Schedule, status: dict[str, Any]) -> None:
+        """A scheduled warm-up whose schedule fired since its last run started: run it again (the dataset
+        and nodes resolved anew; each node fetches only what its cache lacks)."""
+        started = status.get("startTime")
+        if not started:
+            return
+        last = datetime.datetime.strptime(started, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=datetime.UTC)
+        if not schedule.fired_between(last, datetime.datetime.now(datetime.UTC)):
+            return
+        meta = item["metadata"]
+        patch_status(
+            self.custom,
+            meta["namespace"],
+            meta["name"],
+            {
+                **dict.fromkeys(("resolved", "nodes", "completionTime", "lastError", "conditions")),
+                "phase": PENDING,
+                "progress": "0%",
+                "runs": int(status.get("runs", 1)) + 1,
+            },
+        )
+        self._event(item, "Normal", "Scheduled", f"running again ({meta['name']}'s schedule)")
 
     def _fail(self, item: dict[str, Any], message: str) -> None:
         meta = item["metadata"]
@@ -212,9 +253,18 @@ class WarmupController:
             raise ValueError(f"storageClass {class_name} is not a {DRIVER_NAME} class")
         return dict(found.parameters or {})
 
-    def _choose_nodes(self, nodes: dict[str, Any]) -> list[str]:
+    def _choose_nodes(self, namespace: str, nodes: dict[str, Any]) -> list[str]:
         if "names" in nodes:
             return list(dict.fromkeys(nodes["names"]))
+        if "podGroup" in nodes:
+            selector = f"{POD_GROUP_LABEL}={nodes['podGroup']}"
+            pods = self.core.list_namespaced_pod(
+                namespace, label_selector=selector, _request_timeout=30
+            ).items
+            bound = sorted({p.spec.node_name for p in pods if p.spec and p.spec.node_name})
+            if not bound:
+                raise NotYet(f"no pod of PodGroup {nodes['podGroup']} is bound to a node yet")
+            return bound
         selector = ",".join(f"{k}={v}" for k, v in sorted((nodes.get("selector") or {}).items()))
         chosen = [
             n.metadata.name for n in self.core.list_node(label_selector=selector, _request_timeout=30).items

@@ -84,9 +84,22 @@ def warmup(name: str, **spec: Any) -> dict[str, Any]:
         ({"source": "ftp://b/ds", "nodes": {"names": ["a"]}}, "source must be s3://bucket/prefix"),
         ({"source": "s3://b/ds", "paths": ["../up"], "nodes": {"names": ["a"]}}, "do not climb with .."),
         ({"source": "s3://b/ds", "nodes": {"names": ["a"], "selector": {"a": "b"}}}, "choose the nodes once"),
+        ({"source": "s3://b/ds", "nodes": {"names": ["a"], "podGroup": "g"}}, "choose the nodes once"),
         ({"source": "s3://b/ds", "nodes": {"names": ["a"]}, "bytesPerSecond": 0}, "bytesPerSecond"),
+        (
+            {"source": "s3://b/ds", "nodes": {"names": ["a"]}, "schedule": "daily"},
+            "schedule takes five fields",
+        ),
     ],
-    ids=["no-nodes", "two-datasets", "bad-scheme", "climbing-path", "two-node-choices", "zero-rate"],
+    ids=[
+        "no-nodes",
+        "two-datasets",
+        "bad-scheme",
+        "climbing-path",
+        "two-node-choices",
+        "names-and-group",
+        "zero-rate",
+    ],
 )
 def test_a_bad_spec_is_refused_by_the_api_server_with_its_message(
     api_server: Any, spec: dict[str, Any], message: str
@@ -375,3 +388,75 @@ def test_a_finished_warmup_is_deleted_after_its_ttl(
 
     wait_for("the warm-up deleted", gone, 60)
     assert cached_exactly(cluster.plugins["gpu-3"].cache_dir, bucket, s3_server, dataset)  # type: ignore[arg-type]
+
+
+def test_a_warmup_of_a_podgroup_waits_for_its_pods_nodes_then_warms_those_only(
+    cluster: Cluster, s3_server: SeaweedS3, bucket: str, dataset: dict[str, bytes]
+) -> None:
+    cluster.controller()
+    members = [cluster.node(f"gang-{i}", {"pool": "gang"}) for i in range(2)]
+    cluster.node("gang-other", {"pool": "gang"})  # same labels, no pod of the group
+
+    def pod(name: str, node: str | None) -> dict[str, Any]:
+        spec: dict[str, Any] = {"containers": [{"name": "train", "image": "busybox"}]}
+        if node:
+            spec["nodeName"] = node
+        return {
+            "metadata": {"name": name, "labels": {"scheduling.x-k8s.io/pod-group": "job-1"}},
+            "spec": spec,
+        }
+
+    created = ["job-1-0", "job-1-1"]
+    try:
+        cluster.core.create_namespaced_pod("default", pod("job-1-0", None))  # not bound yet
+        spec = spec_for(bucket, s3_server, nodes={"podGroup": "job-1"})
+        cluster.custom.create_namespaced_custom_object(G, V, "default", P, warmup("gang", **spec))
+        waiting = wait_for("the warm-up waiting", lambda: cluster.status("gang").get("lastError"), 30)
+        assert "no pod of PodGroup job-1 is bound" in waiting
+        assert cluster.status("gang")["phase"] == "Pending"
+        cluster.core.delete_namespaced_pod("job-1-0", "default", grace_period_seconds=0)
+        wait_for(
+            "the unbound pod gone",
+            lambda: (
+                "job-1-0" not in {p.metadata.name for p in cluster.core.list_namespaced_pod("default").items}
+            ),
+            30,
+        )
+        for name, node in zip(created, ("gang-0", "gang-1"), strict=True):
+            cluster.core.create_namespaced_pod("default", pod(name, node))
+        wait_for("the warm-up to succeed", lambda: cluster.status("gang").get("phase") == "Succeeded", 90)
+        assert sorted(cluster.status("gang")["nodes"]) == ["gang-0", "gang-1"]
+        assert "lastError" not in cluster.status("gang")
+        for node in members:
+            assert cached_exactly(node.cache_dir, bucket, s3_server, dataset)  # type: ignore[arg-type]
+    finally:
+        for name in created:
+            with contextlib.suppress(Exception):
+                cluster.core.delete_namespaced_pod(name, "default", grace_period_seconds=0)
+
+
+def test_a_scheduled_warmup_runs_again_when_its_schedule_fires_and_a_bad_schedule_fails_with_its_field(
+    cluster: Cluster, s3_server: SeaweedS3, bucket: str, dataset: dict[str, bytes]
+) -> None:
+    cluster.controller()
+    node = cluster.node("cron-0", {"pool": "cron"})
+    spec = spec_for(bucket, s3_server, nodes={"names": ["cron-0"]}, schedule="* * * * *")
+    cluster.custom.create_namespaced_custom_object(G, V, "default", P, warmup("every-minute", **spec))
+    wait_for("the first run", lambda: cluster.status("every-minute").get("phase") == "Succeeded", 60)
+    first = cluster.status("every-minute")["nodes"]["cron-0"]
+    assert first["bytesFetched"] == sum(len(d) for d in dataset.values())
+
+    def second_run_done() -> bool:
+        status = cluster.status("every-minute")
+        return status.get("runs") == 2 and status.get("phase") == "Succeeded"
+
+    wait_for("the second run, after the next minute", second_run_done, 150, interval_s=0.5)
+    again = cluster.status("every-minute")["nodes"]["cron-0"]
+    assert again["bytesFetched"] == 0 and again["bytesDone"] == again["bytesTotal"]  # all cached already
+    assert again["startTime"] > first["startTime"]
+    assert cached_exactly(node.cache_dir, bucket, s3_server, dataset)  # type: ignore[arg-type]
+
+    bad = spec_for(bucket, s3_server, nodes={"names": ["cron-0"]}, schedule="61 * * * *")
+    cluster.custom.create_namespaced_custom_object(G, V, "default", P, warmup("bad-schedule", **bad))
+    wait_for("the bad schedule to fail", lambda: cluster.status("bad-schedule").get("phase") == "Failed", 30)
+    assert "minute: '61' is outside 0-59" in cluster.status("bad-schedule")["lastError"]
