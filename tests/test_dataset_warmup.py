@@ -99,6 +99,7 @@ def warmup(name: str, **spec: Any) -> dict[str, Any]:
         "two-node-choices",
         "names-and-group",
         "zero-rate",
+        "bad-schedule",
     ],
 )
 def test_a_bad_spec_is_refused_by_the_api_server_with_its_message(
