@@ -17,6 +17,7 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -61,7 +62,8 @@ def build_report(manager: VolumeManager) -> dict[str, Any]:
         entry = datasets.setdefault(url, {"cached_bytes": 0, "total_bytes": 0})
         entry["cached_bytes"] = max(entry["cached_bytes"], cached)
         entry["total_bytes"] = max(entry["total_bytes"], total)
-    with manager.state.lock:  # datasets warmed here by DatasetWarmups, as they were when each ended
+    manager.refresh_warmed()
+    with manager.state.lock:  # datasets warmed here by DatasetWarmups (measured again after evictions)
         warmed = dict(manager.state.records.warmed)
     for url, found in warmed.items():
         entry = datasets.setdefault(url, {"cached_bytes": 0, "total_bytes": 0})
@@ -118,6 +120,7 @@ class CacheReporter:
         self._failing = False
         self._backoff = interval_s
         self._rounds = Periodic("cache-report", self.report_once, interval_s, min(5.0, interval_s))
+        self._lock = threading.Lock()  # rounds, and a warm-up that just ended, report one at a time
 
     def start(self) -> None:
         self._rounds.start()
@@ -127,6 +130,10 @@ class CacheReporter:
 
     def report_once(self) -> float:
         """Measures and publishes if changed; returns the seconds until the next round."""
+        with self._lock:
+            return self._report()
+
+    def _report(self) -> float:
         try:
             report = build_report(self.manager)
         except Exception:

@@ -196,6 +196,8 @@ class Plugin:
                 options.report_interval_s,
                 f"Node {options.node_id}",
             )
+            if self.warmer is not None:
+                self.warmer.after_warmed = self.reporter.report_once
 
     def _setup_warmup_controller(self) -> None:
         from pffs.csi.warmup_controller import WarmupController

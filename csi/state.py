@@ -45,10 +45,12 @@ class Staged(BaseModel):
 
 
 class Warmed(BaseModel):
-    """What a DatasetWarmup left in this node's cache (for the cache report), when it ended."""
+    """What a DatasetWarmup left in this node's cache (for the cache report): measured when it ended, and
+    again from its objects (`objects_file`: JSON [[cache id, size], ...]) after the cache evicted."""
 
     cached_bytes: int
     total_bytes: int
+    objects_file: str | None = None
 
 
 class Records(BaseModel):

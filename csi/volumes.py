@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -50,6 +51,7 @@ from pffs.fuse import mount_record
 from pffs.fuse.launch import MountStartError
 from pffs.fuse.options import MountOptions
 from pffs.vfs import shared_block_cache
+from pffs.vfs.reader import cached_bytes_in
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +95,7 @@ class VolumeManager:
         self.state = NodeState(config.state_dir)
         self.locks = KeyedLocks()
         self._preflight = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="preflight")
+        self._evictions_measured = -1  # the node cache's eviction count when warmed datasets were measured
         self._update_gauges()
 
     # Staging: one mount per volume
@@ -610,11 +613,47 @@ class VolumeManager:
                 Code.INVALID_ARGUMENT, f"source {attributes.source} is an object, not a prefix or folder"
             )
 
-    def record_warmed(self, dataset: str, cached_bytes: int, total_bytes: int) -> None:
-        """A DatasetWarmup ended on this node: its dataset goes into the cache report."""
+    def record_warmed(self, dataset: str, objects: list[tuple[str, int]], cached_bytes: int) -> None:
+        """A DatasetWarmup ended on this node: its dataset goes into the cache report, and its objects
+        (cache id, size) into a file of their own, to measure again after evictions."""
+        folder = self.config.state_dir / "warmed"
+        folder.mkdir(exist_ok=True)
+        objects_file = folder / f"{path_key(dataset)}.json"
+        temporary = objects_file.with_suffix(".tmp")
+        temporary.write_text(json.dumps(objects))
+        temporary.replace(objects_file)
+        total = sum(size for _, size in objects)
         with self.state.lock:
-            self.state.records.warmed[dataset] = Warmed(cached_bytes=cached_bytes, total_bytes=total_bytes)
+            self.state.records.warmed[dataset] = Warmed(
+                cached_bytes=cached_bytes, total_bytes=total, objects_file=str(objects_file)
+            )
             self.state.save()
+
+    def refresh_warmed(self) -> None:
+        """Measures the warmed datasets again if the node's cache evicted since they were last measured
+        (a report that says "warm" must stay true: the scheduler binds on it)."""
+        cache = shared_block_cache(self.config.cache)
+        evictions = int(cache.machine_totals().get("disk_evictions", 0))
+        if evictions == self._evictions_measured:
+            return
+        with self.state.lock:
+            warmed = dict(self.state.records.warmed)
+        measured: dict[str, int] = {}
+        for dataset, found in warmed.items():
+            if found.objects_file is None:
+                continue
+            try:
+                objects = json.loads(Path(found.objects_file).read_text())
+            except (OSError, ValueError) as exc:
+                log.info("cache report: cannot measure %s again (%s)", dataset, exc)
+                continue
+            measured[dataset] = sum(cached_bytes_in(cache, cache_id, size) for cache_id, size in objects)
+        with self.state.lock:
+            for dataset, cached in measured.items():
+                if dataset in self.state.records.warmed:
+                    self.state.records.warmed[dataset].cached_bytes = cached
+            self.state.save()
+        self._evictions_measured = evictions
 
     def disk_bytes_used(self) -> int:
         """Block bytes in the node's shared disk cache."""

@@ -45,11 +45,13 @@ from pffs.csi.warmups import (
     patch_status,
     warmup_watch,
 )
+from pffs.scheduler.kube.locality import node_cache, normalize_dataset
 from pffs.scheduler.kube.names import POD_GROUP_LABEL
 
 log = logging.getLogger(__name__)
 
 RESYNC_S = 30.0
+REPORT_GRACE_S = 60.0  # how long gated pods wait for a warm node's report after its warm-up ended
 
 
 class NotYet(Exception):
@@ -170,7 +172,8 @@ class WarmupController:
                 )
         phase = rolled.get("phase", status.get("phase"))
         if phase in ENDED:
-            self._ungate(namespace, name, phase)
+            if phase == FAILED or self._reports_warm(status, rolled):
+                self._ungate(namespace, name, phase)
             if "schedule" in spec:
                 self._again_if_due(item, Schedule.parse(spec["schedule"]), status)
             else:
@@ -275,6 +278,25 @@ class WarmupController:
 
     # Pods waiting, and the end of a warm-up
 
+    def _reports_warm(self, status: dict[str, Any], rolled: dict[str, Any]) -> bool:
+        """Whether every node of a warm-up that succeeded says so in its cache report (what kube-scheduler's
+        extender and `pffs scheduler` read: the source of truth for "warm"), or REPORT_GRACE_S passed since
+        it ended (a node whose report cannot be written must not hold pods forever)."""
+        source = normalize_dataset(status.get("source", ""))
+        for node in status.get("nodes") or {}:
+            try:
+                obj = self.core.read_node(node, _request_timeout=10)
+            except Exception:
+                break
+            cache = node_cache({"metadata": {"annotations": obj.metadata.annotations or {}}}) or {}
+            found = cache.get(source)
+            if found is None or found.total_bytes == 0 or found.cached_bytes < found.total_bytes:
+                break
+        else:
+            return True
+        ended = rolled.get("completionTime") or status.get("completionTime")
+        return isinstance(ended, str) and _age_s(ended) >= REPORT_GRACE_S
+
     def _ungate(self, namespace: str, name: str, phase: str) -> None:
         pods = self.core.list_namespaced_pod(
             namespace, label_selector=f"{LABEL}={name}", _request_timeout=30
@@ -301,8 +323,7 @@ class WarmupController:
         ttl = (item.get("spec") or {}).get("ttlSecondsAfterFinished")
         if ttl is None or not completed:
             return
-        ended = datetime.datetime.strptime(completed, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=datetime.UTC)
-        if (datetime.datetime.now(datetime.UTC) - ended).total_seconds() >= ttl:
+        if _age_s(completed) >= ttl:
             meta = item["metadata"]
             self.custom.delete_namespaced_custom_object(
                 GROUP, VERSION, meta["namespace"], PLURAL, meta["name"], _request_timeout=10
@@ -351,6 +372,12 @@ class WarmupController:
             log.info(
                 "could not post the Event %s on %s %s: %s", reason, involved["kind"], involved["name"], exc
             )
+
+
+def _age_s(stamp: str) -> float:
+    """Seconds since a status time stamp (2026-11-27T10:00:00Z)."""
+    then = datetime.datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=datetime.UTC)
+    return (datetime.datetime.now(datetime.UTC) - then).total_seconds()
 
 
 def roll_up(status: dict[str, Any]) -> dict[str, Any]:

@@ -15,6 +15,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -70,6 +71,7 @@ class NodeWarmer:
         self.manager = manager
         self.namespace = namespace  # where warm-ups' credential Secrets live (the plugin's own)
         self.workers = workers
+        self.after_warmed: Callable[[], object] | None = None  # publishes the cache report at once
         self._queue: queue.SimpleQueue[dict[str, Any] | None] = queue.SimpleQueue()
         self._queued: set[str] = set()  # uids waiting or being warmed
         self._deleted: set[str] = set()
@@ -169,16 +171,20 @@ class NodeWarmer:
                         self._report(item, dict(entry))
         if meta["uid"] in self._deleted:
             return
+        # The node's cache report says so first, then the warm-up's status: whoever acts on the status
+        # (the controller ungating pods, `pffs scheduler` binding a gang) finds the report already current.
+        vfs.reader.cache.wait_for_disk()
+        cached = sum(vfs.reader.cached_bytes(f) for f in files)
+        self.manager.record_warmed(
+            normalize_dataset(status["resolved"]["source"]), [(f.cache_id, f.size) for f in files], cached
+        )
+        if self.after_warmed is not None:
+            self.after_warmed()
         entry["completionTime"] = now()
         entry["phase"] = FAILED if errors else SUCCEEDED
         if errors:
             entry["lastError"] = f"{len(errors)} object(s) failed, e.g. {errors[0]}"
         self._report(item, entry)
-        vfs.reader.cache.wait_for_disk()
-        cached = sum(vfs.reader.cached_bytes(f) for f in files)
-        self.manager.record_warmed(
-            normalize_dataset(status["resolved"]["source"]), cached, entry["bytesTotal"]
-        )
         log.info("warm-up %s: %s (%d bytes fetched)", name, entry["phase"].lower(), entry["bytesFetched"])
 
     def _open(self, resolved: dict[str, str], spec: dict[str, Any]) -> tuple[Vfs, list[ObjectInfo]]:

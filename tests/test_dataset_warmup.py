@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import subprocess
+import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -23,6 +26,9 @@ import yaml
 from helpers import pattern, sha256
 
 from pffs.config import CacheSettings
+from pffs.scheduler.core.objects import Queue
+from pffs.scheduler.kube.api_client import kubeconfig_api
+from pffs.scheduler.kube.loop import Scheduler
 from pffs.testing.csi_plugin import CsiPlugin
 from pffs.testing.s3_server import SeaweedS3
 from pffs.vfs import shared_block_cache
@@ -150,6 +156,27 @@ class Cluster:
         self.plugins[name] = self.stack.enter_context(plugin)
         return plugin
 
+    def schedulable(self, name: str, cpu: str = "4") -> None:
+        """Gives a Node the status a kubelet would (room, Ready), creating it if it has no plugin."""
+        if name not in {n.metadata.name for n in self.core.list_node().items}:
+            self.core.create_node({"metadata": {"name": name}})
+            self.stack.callback(lambda: self.core.delete_node(name))
+        room = {"cpu": cpu, "memory": "16Gi", "pods": "110"}
+        ready = {"type": "Ready", "status": "True", "reason": "KubeletReady", "message": "test"}
+        self.core.patch_node_status(
+            name, {"status": {"capacity": room, "allocatable": room, "conditions": [ready]}}
+        )
+
+    def scheduler(self) -> Scheduler:
+        """`pffs scheduler` against this API server, cycling every 0.2 s until the test ends."""
+        sched = Scheduler(kubeconfig_api(self.kubeconfig), [Queue("default")])
+        stop = threading.Event()
+        thread = threading.Thread(target=sched.run, args=(0.2, stop), daemon=True)
+        thread.start()
+        self.stack.callback(thread.join, 10)
+        self.stack.callback(stop.set)
+        return sched
+
     def status(self, name: str) -> dict[str, Any]:
         return dict(self.custom.get_namespaced_custom_object(G, V, "default", P, name).get("status") or {})
 
@@ -253,6 +280,20 @@ def test_a_warmup_reaches_100_percent_on_its_nodes_in_steps_and_their_reports_sa
     assert url not in cluster.cache_report("cpu-0").get("datasets", {})
     events = cluster.core.list_namespaced_event("default").items
     assert any(e.reason == "Succeeded" and e.involved_object.name == "imagenet" for e in events)
+    # the node's cache evicts: its report no longer says the dataset is whole (the scheduler binds on it)
+    subprocess.run(
+        [str(Path(sys.executable).parent / "pffs"), "cache", "--cache-dir", str(nodes[0].cache_dir),
+         "--cache-size", str(total // 3), "gc"],
+        check=True, capture_output=True, timeout=60,
+    )  # fmt: skip
+
+    def shrunk() -> dict[str, int] | None:
+        report = cluster.cache_report("gpu-0")["datasets"][url]
+        return report if report["cached_bytes"] < total else None
+
+    report = wait_for("gpu-0's report after eviction", shrunk, 15)
+    assert report["cached_bytes"] <= total // 3 and report["total_bytes"] == total
+    assert cluster.cache_report("gpu-1")["datasets"][url]["cached_bytes"] == total
 
 
 def test_a_plugin_killed_mid_warmup_goes_on_without_fetching_again_what_it_had(
@@ -305,6 +346,9 @@ def test_a_gated_pod_is_ungated_when_its_warmup_ended(
         assert "pffs.io/warmup" in gates()
         wait_for("the pod ungated", lambda: gates() == ["example.com/quota"], 60)
         assert cluster.status("before-training")["phase"] == "Succeeded"  # not before it ended
+        # ... nor before the node's cache report (what the extender scores) holds the dataset whole
+        report = cluster.cache_report("gpu-5")["datasets"][f"s3://{bucket}/ds"]
+        assert report["cached_bytes"] == report["total_bytes"] > 0
     finally:
         cluster.core.delete_namespaced_pod("trainer", "default", grace_period_seconds=0)
 
@@ -461,3 +505,114 @@ def test_a_scheduled_warmup_runs_again_when_its_schedule_fires_and_a_bad_schedul
     cluster.custom.create_namespaced_custom_object(G, V, "default", P, warmup("bad-schedule", **bad))
     wait_for("the bad schedule to fail", lambda: cluster.status("bad-schedule").get("phase") == "Failed", 30)
     assert "minute: '61' is outside 0-59" in cluster.status("bad-schedule")["lastError"]
+
+
+# -- warm before bind: `pffs scheduler` holds a gang until its nodes report the dataset ----------------------
+def gang_pod(name: str, bucket: str, s3_server: SeaweedS3, deadline: str) -> dict[str, Any]:
+    volume = {
+        "driver": "csi.pffs.io",
+        "volumeAttributes": {
+            "source": f"s3://{bucket}/ds", "endpointUrl": s3_server.endpoint_url, "blockSize": str(BLOCK),
+        },
+    }  # fmt: skip
+    return {
+        "metadata": {
+            "name": name,
+            "labels": {"scheduling.x-k8s.io/pod-group": name.rsplit("-", 1)[0]},
+            "annotations": {
+                "pffs.io/min-member": "2",
+                "pffs.io/warm-before-bind": deadline,
+                "pffs.io/warm-secret": "s3-credentials",
+            },
+        },
+        "spec": {
+            "schedulerName": "pffs-scheduler",
+            "containers": [{"name": "train", "image": "busybox", "resources": {"requests": {"cpu": "3"}}}],
+            "volumes": [{"name": "data", "csi": volume}],
+            # the API server taints a new Node not-ready; no kubelet here will clear it
+            "tolerations": [
+                {"key": "node.kubernetes.io/not-ready", "operator": "Exists", "effect": "NoSchedule"}
+            ],
+        },
+    }
+
+
+def bound_to(cluster: Cluster, names: list[str]) -> dict[str, str]:
+    pods = {p.metadata.name: p for p in cluster.core.list_namespaced_pod("default").items}
+    return {n: pods[n].spec.node_name for n in names if n in pods and pods[n].spec.node_name}
+
+
+def pod_events(cluster: Cluster, reason: str) -> list[Any]:
+    return [e for e in cluster.core.list_namespaced_event("default").items if e.reason == reason]
+
+
+def test_a_warm_before_bind_gang_binds_only_once_its_nodes_report_the_dataset(
+    cluster: Cluster, s3_server: SeaweedS3, bucket: str, dataset: dict[str, bytes]
+) -> None:
+    cluster.controller()
+    nodes = {name: cluster.node(name, {"pool": "wbb"}) for name in ("wbb-0", "wbb-1")}
+    for name in nodes:
+        cluster.schedulable(name)
+    url = f"s3://{bucket}/ds"
+    assert not any(url in cluster.cache_report(n).get("datasets", {}) for n in nodes)
+    names = ["job-0", "job-1"]
+    try:
+        for name in names:
+            cluster.core.create_namespaced_pod("default", gang_pod(name, bucket, s3_server, "120s"))
+        cluster.scheduler()
+        made = wait_for("the scheduler's warm-up", lambda: cluster.custom.list_namespaced_custom_object(
+            G, V, "default", P, label_selector="pffs.io/pod-group=job")["items"], 30)  # fmt: skip
+        (warm,) = made
+        assert sorted(warm["spec"]["nodes"]["names"]) == sorted(nodes)
+        assert warm["spec"]["source"] == url and warm["spec"]["secretName"] == "s3-credentials"
+        reports_when_bound: list[dict[str, Any]] = []
+
+        def bound() -> dict[str, str]:
+            found = bound_to(cluster, names)
+            if not found:
+                return {}
+            reports_when_bound.extend(cluster.cache_report(n).get("datasets", {}).get(url, {}) for n in nodes)
+            return found if len(found) == 2 else {}
+
+        placed = wait_for("the gang bound", bound, 90, interval_s=0.05)
+        assert sorted(placed.values()) == sorted(nodes)
+        for report in reports_when_bound:  # both nodes said the whole dataset was there before either bind
+            assert report["cached_bytes"] == report["total_bytes"] > 0, reports_when_bound
+        (status,) = [cluster.status(w["metadata"]["name"]) for w in made]
+        assert status["phase"] == "Succeeded"
+        events = pod_events(cluster, "WarmBeforeBind")
+        assert len(events) == 2 and all(f"{url} warm on wbb-0, wbb-1 after" in e.message for e in events)
+        for node in nodes.values():
+            assert cached_exactly(node.cache_dir, bucket, s3_server, dataset)  # type: ignore[arg-type]
+    finally:
+        for name in names:
+            with contextlib.suppress(Exception):
+                cluster.core.delete_namespaced_pod(name, "default", grace_period_seconds=0)
+
+
+def test_a_warm_before_bind_gang_binds_cold_at_its_deadline_when_a_node_cannot_warm(
+    cluster: Cluster, s3_server: SeaweedS3, bucket: str, dataset: dict[str, bytes]
+) -> None:
+    cluster.controller()
+    cluster.node("late-0", {"pool": "late"})
+    cluster.schedulable("late-0")
+    cluster.schedulable("late-1")  # a Node whose plugin is down: its part of the warm-up never runs
+    names = ["slow-0", "slow-1"]
+    try:
+        for name in names:
+            cluster.core.create_namespaced_pod("default", gang_pod(name, bucket, s3_server, "12s"))
+        cluster.scheduler()
+        started = time.monotonic()
+        placed = wait_for("the gang bound", lambda: (b := bound_to(cluster, names)) and len(b) == 2 and b, 60)
+        waited = time.monotonic() - started
+        assert sorted(placed.values()) == ["late-0", "late-1"]
+        assert 12 <= waited < 30, waited  # at the deadline, not before, and soon after it
+        events = pod_events(cluster, "WarmBeforeBindDeadline")
+        assert len(events) == 2 and events[0].type == "Warning"
+        assert (
+            events[0].message == "deadline of 12 s passed with late-1 not warm: bound cold to late-0, late-1"
+        )
+    finally:
+        for name in names:
+            with contextlib.suppress(Exception):
+                cluster.core.delete_namespaced_pod(name, "default", grace_period_seconds=0)

@@ -21,6 +21,7 @@ import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 from fractions import Fraction
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -547,6 +548,7 @@ class FakeApiServer(FakeHttpServer):
         self.page = page
         self.requests: list[tuple[str, str, Any, str]] = []  # method, path, body, content type
         self.watches: list[str] = []  # paths a watch was asked for
+        self.warmups: list[dict[str, Any]] = []  # DatasetWarmups made (POSTed)
         super().__init__(_FakeHandler)
 
     def posts(self, suffix: str) -> list[tuple[str, Any]]:
@@ -652,6 +654,10 @@ class _FakeHandler(JsonHandler):
                 return 200, pod
         if len(parts) == 5 and parts[4] == "events" and method == "POST":
             return 201, body
+        if len(parts) == 6 and parts[5] == "datasetwarmups" and method == "POST":
+            made = {**body, "metadata": {**body["metadata"], "name": body["metadata"]["generateName"] + "x1"}}
+            api.warmups.append(made)
+            return 201, made
         return 404, _status(404, "NotFound", "the server could not find the requested resource")
 
 
@@ -922,14 +928,146 @@ def test_deploy_manifest_grants_exactly_what_the_scheduler_uses_fake_apiserver(
     # a cycle that lists, binds, evicts, marks a pending gang and reports a malformed pod
     apiserver.nodes = [make_node("gpu-1", gpus=2)]
     victim = make_pod("low", gpus=2, node="gpu-1", priority=1)
-    apiserver.pods = [victim, make_pod("high", gpus=2, priority=9), make_pod("bad", cpu="x"), *gang("g", 2)]
+    apiserver.nodes.append(make_node("cpu-1", cpu="4"))
+    warm_first = make_pod("w", cpu="3", annotations={"pffs.io/warm-before-bind": "60s", **DATASET})
+    apiserver.pods = [
+        victim, make_pod("high", gpus=2, priority=9), make_pod("bad", cpu="x"), *gang("g", 2), warm_first,
+    ]  # fmt: skip
     sched = scheduler_for(kubeconfig)
     sched.cycle()
     sched.cycle()
     used = {_rbac_rule(method, path) for method, path, _, _ in apiserver.requests}
+    watched = map(partial(_rbac_rule, "GET"), apiserver.watches)
+    used |= {(group, resource, "watch") for group, resource, _ in watched}
     assert ("", "pods/eviction", "create") in used and ("", "pods/binding", "create") in used
     assert ("", "pods/status", "patch") in used and ("", "events", "create") in used
+    assert ("pffs.io", "datasetwarmups", "create") in used and ("", "pods", "watch") in used
     assert used == granted  # all that is used is granted, and nothing more is
+
+
+DATASET = {"pffs.io/datasets": "s3://data/imagenet"}
+
+
+def warm_report(cached: int, total: int = 1000) -> dict[str, str]:
+    """A node annotation: the cache report holding `cached` of imagenet's `total` bytes."""
+    report = {"datasets": {"s3://data/imagenet": {"cached_bytes": cached, "total_bytes": total}}}
+    return {"pffs.io/cache": json.dumps(report)}
+
+
+def inline_volume(source: str, secret: str | None = None) -> dict[str, Any]:
+    csi: dict[str, Any] = {
+        "driver": "csi.pffs.io",
+        "volumeAttributes": {"source": source, "endpointUrl": "http://s3.local:8333", "blockSize": "1Mi"},
+    }
+    if secret:
+        csi["nodePublishSecretRef"] = {"name": secret}
+    return {"name": "data", "csi": csi}
+
+
+def test_a_warm_before_bind_gang_is_held_warmed_on_its_nodes_bound_when_their_reports_say_so_fake_apiserver(
+    apiserver: FakeApiServer, kubeconfig: Path
+) -> None:
+    apiserver.nodes = [make_node("gpu-1", gpus=1), make_node("gpu-2", gpus=1, annotations=warm_report(400))]
+    apiserver.pods = gang("train", 2, gpus=1, annotations={"pffs.io/warm-before-bind": "10m"})
+    for pod in apiserver.pods:
+        pod["spec"]["volumes"] = [inline_volume("s3://data/imagenet/", secret="s3-keys")]
+    apiserver.podgroups = [make_podgroup("train", 2)]
+    sched = scheduler_for(kubeconfig)
+    report = sched.cycle()
+    assert report.bound == [] and apiserver.posts("/binding") == []
+    why = report.pending["podgroup:team-a/train"]
+    assert why.startswith("warming s3://data/imagenet on gpu-1, gpu-2 before binding"), why
+    (made,) = apiserver.warmups  # one dataset, one warm-up, on exactly the gang's nodes
+    assert (
+        apiserver.posts("/datasetwarmups")[0][0] == "/apis/pffs.io/v1alpha1/namespaces/team-a/datasetwarmups"
+    )
+    assert made["metadata"]["generateName"] == "train-warm-"
+    assert made["metadata"]["labels"] == {"pffs.io/pod-group": "train"}
+    assert made["spec"] == {
+        "source": "s3://data/imagenet",
+        "endpointUrl": "http://s3.local:8333",
+        "blockSize": "1Mi",
+        "secretName": "s3-keys",
+        "nodes": {"names": ["gpu-1", "gpu-2"]},
+        "ttlSecondsAfterFinished": 3600,
+    }
+    for i in range(2):
+        (condition,) = apiserver.pod(f"team-a/train-{i}")["status"]["conditions"]  # type: ignore[index]
+        assert condition["reason"] == "Unschedulable" and "warming s3://data/imagenet" in condition["message"]
+    # the room is held: a pod that would fit only there waits; no second warm-up is made
+    apiserver.pods.append(make_pod("other", gpus=1))
+    assert sched.cycle().bound == [] and len(apiserver.warmups) == 1
+    # one node warm: still held
+    apiserver.nodes[0]["metadata"]["annotations"].update(warm_report(1000))
+    assert sched.cycle().bound == []
+    # both: the gang binds (with the GPUs it was given), and its pods get an Event saying so
+    apiserver.nodes[1]["metadata"]["annotations"].update(warm_report(1000))
+    report = sched.cycle()
+    assert sorted(report.bound) == [("team-a/train-0", "gpu-1"), ("team-a/train-1", "gpu-2")] or sorted(
+        report.bound
+    ) == [("team-a/train-0", "gpu-2"), ("team-a/train-1", "gpu-1")]
+    events = [b for _, b in apiserver.posts("/events") if b["reason"] == "WarmBeforeBind"]
+    assert len(events) == 2 and events[0]["type"] == "Normal"
+    assert "s3://data/imagenet warm on gpu-1, gpu-2 after" in events[0]["message"]
+    assert apiserver.pod("team-a/other")["spec"].get("nodeName") is None  # type: ignore[index]
+
+
+def test_a_warm_before_bind_gang_binds_cold_at_its_deadline_with_a_warning_fake_apiserver(
+    apiserver: FakeApiServer, kubeconfig: Path
+) -> None:
+    apiserver.nodes = [make_node("n1", cpu="4")]
+    apiserver.pods = [make_pod("job", cpu="2", annotations={"pffs.io/warm-before-bind": "0.5s", **DATASET})]
+    sched = scheduler_for(kubeconfig)
+    assert sched.cycle().bound == [] and len(apiserver.warmups) == 1
+    assert apiserver.warmups[0]["spec"]["source"] == "s3://data/imagenet"  # from the annotation alone
+    assert "secretName" not in apiserver.warmups[0]["spec"]
+    time.sleep(0.6)
+    assert sched.cycle().bound == [("team-a/job", "n1")]
+    (event,) = [b for _, b in apiserver.posts("/events") if b["reason"] == "WarmBeforeBindDeadline"]
+    assert event["type"] == "Warning"
+    assert event["message"] == "deadline of 0.5 s passed with n1 not warm: bound cold to n1"
+
+
+def test_warm_before_bind_on_warm_nodes_binds_at_once_and_a_bad_deadline_is_said_fake_apiserver(
+    apiserver: FakeApiServer, kubeconfig: Path
+) -> None:
+    apiserver.nodes = [make_node("n1", cpu="4", annotations=warm_report(1000))]
+    apiserver.pods = [
+        make_pod("warm", cpu="1", annotations={"pffs.io/warm-before-bind": "5m", **DATASET}),
+        make_pod("typo", cpu="1", annotations={"pffs.io/warm-before-bind": "five minutes", **DATASET}),
+        make_pod("no-data", cpu="1", annotations={"pffs.io/warm-before-bind": "5m"}),
+    ]
+    report = scheduler_for(kubeconfig).cycle()
+    assert sorted(report.bound) == [("team-a/no-data", "n1"), ("team-a/warm", "n1")]
+    assert apiserver.warmups == []
+    assert report.pending["pod:team-a/typo"] == (
+        "annotation pffs.io/warm-before-bind: 'five minutes' is not a deadline (e.g. 300s, 5m, 1h)"
+    )
+
+
+def test_warm_before_bind_without_the_crd_binds_cold_and_says_why_fake_apiserver(
+    apiserver: FakeApiServer, kubeconfig: Path
+) -> None:
+    apiserver.nodes = [make_node("n1", cpu="4")]
+    apiserver.pods = [make_pod("job", cpu="1", annotations={"pffs.io/warm-before-bind": "5m", **DATASET})]
+    real_route = _FakeHandler._route
+
+    def no_crd(
+        self: _FakeHandler, method: str, path: str, query: dict[str, str], body: Any
+    ) -> tuple[int, Any]:
+        if path.endswith("/datasetwarmups"):
+            return 404, _status(404, "NotFound", "the server could not find the requested resource")
+        return real_route(self, method, path, query, body)
+
+    _FakeHandler._route = no_crd  # type: ignore[method-assign]
+    try:
+        report = scheduler_for(kubeconfig).cycle()
+    finally:
+        _FakeHandler._route = real_route  # type: ignore[method-assign]
+    assert report.bound == [("team-a/job", "n1")]
+    (event,) = [b for _, b in apiserver.posts("/events") if b["reason"] == "WarmBeforeBind"]
+    assert event["type"] == "Warning" and event["message"].startswith("cannot warm first, binding: ")
+    assert "could not find the requested resource" in event["message"]
 
 
 def test_a_pod_bound_before_the_watch_shows_it_keeps_its_room_stale_watch_imitated_fake_apiserver(

@@ -261,18 +261,23 @@ class ObjectReader:
         used another one) or in the pieces random reads fetched, each byte counted once (after everything
         read so far is written; for the node's cache report, xattrs and `pffs du`). One range scan of the
         disk index: no lookup per block, however large the object."""
-        if self.cache.disk is None:
-            return 0
-        self.cache.wait_for_disk()
-        prefix = f"{info.cache_id}-"
-        held = (_key_range(key[len(prefix) :], info.size) for key in self.cache.stored_keys(prefix))
-        return covered_bytes(r for r in held if r is not None)
+        return cached_bytes_in(self.cache, info.cache_id, info.size)
 
     def cached_fraction(self, info: ObjectInfo) -> float:
         """The fraction of the object's bytes on the disk tier (see cached_bytes)."""
         if info.size == 0:
             return 1.0
         return self.cached_bytes(info) / info.size
+
+
+def cached_bytes_in(cache: BlockCache, cache_id: str, size: int) -> int:
+    """Bytes of the object `cache_id` (of `size` bytes) on `cache`'s disk tier (see Reader.cached_bytes)."""
+    if cache.disk is None:
+        return 0
+    cache.wait_for_disk()
+    prefix = f"{cache_id}-"
+    held = (_key_range(key[len(prefix) :], size) for key in cache.stored_keys(prefix))
+    return covered_bytes(r for r in held if r is not None)
 
 
 def _key_range(rest: str, size: int) -> tuple[int, int] | None:

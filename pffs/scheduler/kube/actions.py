@@ -1,6 +1,7 @@
 """What `pffs scheduler` writes to the cluster, one call each: a Binding (with the GPUs it chose), an
-Eviction, the condition PodScheduled=False on a pod that waits, and a FailedScheduling Event for a pod it
-cannot read. Each raises ``ApiError`` if the API server refuses; the loop decides what a refusal means."""
+Eviction, the condition PodScheduled=False on a pod that waits, a FailedScheduling Event for a pod it
+cannot read, and other Events on pods. Each raises ``ApiError`` if the API server refuses; the loop decides
+what a refusal means. (The DatasetWarmups of gangs that warm before binding are made in the loop.)"""
 
 from __future__ import annotations
 
@@ -62,15 +63,23 @@ def mark_unschedulable(api: RestCalls, pod_key: str, why: str) -> None:
 
 def post_scheduling_failure(api: RestCalls, namespace: str, name: str, problem: str, component: str) -> None:
     """A Warning Event FailedScheduling on the pod, from ``component`` (the scheduler's name)."""
+    message = f"pffs-scheduler cannot schedule this pod: {problem}"
+    post_pod_event(api, namespace, name, "Warning", "FailedScheduling", message, component)
+
+
+def post_pod_event(
+    api: RestCalls, namespace: str, name: str, kind: str, reason: str, message: str, component: str
+) -> None:
+    """An Event (``kind`` Normal or Warning) on the pod, from ``component``."""
     now = _now()
     event = {
         "apiVersion": "v1",
         "kind": "Event",
         "metadata": {"generateName": f"{name}.", "namespace": namespace},
         "involvedObject": {"apiVersion": "v1", "kind": "Pod", "name": name, "namespace": namespace},
-        "reason": "FailedScheduling",
-        "message": f"pffs-scheduler cannot schedule this pod: {problem}",
-        "type": "Warning",
+        "reason": reason,
+        "message": message,
+        "type": kind,
         "source": {"component": component},
         "firstTimestamp": now,
         "lastTimestamp": now,

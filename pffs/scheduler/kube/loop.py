@@ -25,14 +25,27 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pffs.scheduler.core.objects import Placement, PodGroup, Queue
-from pffs.scheduler.kube.actions import bind, evict, mark_unschedulable, post_scheduling_failure
+from pffs.scheduler.kube.actions import (
+    bind,
+    evict,
+    mark_unschedulable,
+    post_pod_event,
+    post_scheduling_failure,
+)
 from pffs.scheduler.kube.api_client import ApiError, RestCalls
 from pffs.scheduler.kube.informer import Informer
-from pffs.scheduler.kube.json_fields import BadObject, object_key
+from pffs.scheduler.kube.json_fields import BadObject, name_of, object_key
 from pffs.scheduler.kube.names import GPUS_ANNOTATION, MIN_MEMBER_ANNOTATION, PODGROUP_API, SCHEDULER_NAME
 from pffs.scheduler.kube.prometheus import SchedulerStats
 from pffs.scheduler.kube.snapshot import Snapshot, build_snapshot
 from pffs.scheduler.kube.taints import tolerates
+from pffs.scheduler.kube.warm_before_bind import (
+    WARMUP_API,
+    Hold,
+    cold_nodes,
+    warm_deadline,
+    warmup_objects,
+)
 
 if TYPE_CHECKING:
     from pffs.scheduler.core.session import SessionResult, Weights
@@ -84,6 +97,7 @@ class Scheduler:
         self._pods = Informer(api, "/api/v1/pods")
         self._podgroups = Informer(api, PODGROUP_API)
         self._assumed: dict[str, tuple[Placement, float]] = {}  # pod key -> its binding, when
+        self._holds: dict[str, Hold] = {}  # group -> placements waiting for warm nodes (warm before bind)
         self._binder = concurrent.futures.ThreadPoolExecutor(BIND_PARALLELISM, thread_name_prefix="bind")
 
     def close(self) -> None:
@@ -94,8 +108,11 @@ class Scheduler:
     def cycle(self) -> CycleReport:
         report = CycleReport()
         nodes = self._nodes.items()
-        pods = self._with_assumed(self._pods.items())
+        listed = self._pods.items()
+        self._release_holds(nodes, listed, report)
+        pods = self._with_assumed(listed)
         snap = build_snapshot(nodes, pods, self._list_podgroups(), self.queues, self.scheduler_name)
+        snap.ours -= {p.pod.name for hold in self._holds.values() for p in hold.placements}  # not bound
         for what, problem in snap.problems.items():
             self._report_problem(what, problem)
         live = {key for p in pods if (key := _safe_key(p))}
@@ -151,15 +168,19 @@ class Scheduler:
         self.close()
 
     def _with_assumed(self, pods: list[Any]) -> list[Any]:
-        """The pods, those bound here but not yet seen bound shown on their nodes (with their GPUs)."""
-        if not self._assumed:
+        """The pods, those bound here but not yet seen bound, and those held for warm-up, shown on their
+        nodes (with their GPUs)."""
+        held = {p.pod.name: p for hold in self._holds.values() for p in hold.placements}
+        if not self._assumed and not held:
             return pods
         now = time.monotonic()
         out = []
         for pod in pods:
             key = _safe_key(pod)
             assumed = self._assumed.get(key) if key else None
-            if assumed is not None:
+            if key in held and not _field(pod, "spec").get("nodeName"):
+                pod = _as_bound(pod, held[key])
+            elif assumed is not None:
                 placement, when = assumed
                 if _field(pod, "spec").get("nodeName") or now - when > ASSUME_SECONDS:
                     del self._assumed[key]  # the watch caught up (or never will: trust it)
@@ -217,7 +238,9 @@ class Scheduler:
         evicted = set(report.evicted)
         to_bind: list[Placement] = []
         for group, placements in by_group.items():
-            why = self._hold_back(placements, snap, evicted_nodes)
+            why = self._hold_back(placements, snap, evicted_nodes) or self._warm_first(
+                group, placements, snap
+            )
             if why:
                 report.pending[group] = why
                 if evicted:
@@ -238,6 +261,79 @@ class Scheduler:
             if not tolerates(pod_obj, node_obj):
                 return f"pod {p.pod.name} does not tolerate the taints of node {p.node}"
         return ""
+
+    # Warm before bind (warm_before_bind.py)
+
+    def _warm_first(self, group: str, placements: list[Placement], snap: Snapshot) -> str:
+        """Why a placed group waits for warm nodes (empty: bind it now). A group that asks to warm first
+        and whose nodes are not warm yet is held, and DatasetWarmups are made for its nodes."""
+        pods = [snap.pods[p.pod.name] for p in placements]
+        try:
+            deadline = warm_deadline(pods)
+        except BadObject as exc:
+            return str(exc)
+        datasets = tuple(dict.fromkeys(d for p in placements for d in p.pod.datasets))
+        if deadline is None or not datasets:
+            return ""
+        hold = Hold(group, placements, datasets, deadline)
+        if not cold_nodes(datasets, {n: snap.node_objects.get(n) for n in hold.nodes}):
+            return ""
+        namespace = placements[0].pod.name.split("/", 1)[0]
+        try:
+            for body in warmup_objects(group, pods, datasets, hold.nodes):
+                made = self.api.request("POST", WARMUP_API.format(namespace=namespace), body)
+                log.info(
+                    "group %s: DatasetWarmup %s/%s warms %s on %s",
+                    group,
+                    namespace,
+                    made.get("metadata", {}).get("name"),
+                    body["spec"]["source"],
+                    ", ".join(hold.nodes),
+                )
+        except ApiError as exc:
+            # No CRD (404) or no right to make one (403): the job starts cold rather than never.
+            self._pods_event(placements, "Warning", "WarmBeforeBind", f"cannot warm first, binding: {exc}")
+            return ""
+        self._holds[group] = hold
+        return hold.why()
+
+    def _release_holds(self, nodes: list[Any], pods: list[Any], report: CycleReport) -> None:
+        """Binds each held group whose nodes are warm now, or whose deadline passed; forgets those whose
+        pods went (or were bound by someone else)."""
+        if not self._holds:
+            return
+        by_name = {name_of(n): n for n in nodes}
+        unbound = {key for p in pods if (key := _safe_key(p)) and not _field(p, "spec").get("nodeName")}
+        for group, hold in list(self._holds.items()):
+            if any(p.pod.name not in unbound for p in hold.placements):
+                del self._holds[group]
+                continue
+            cold = cold_nodes(hold.datasets, {n: by_name.get(n) for n in hold.nodes})
+            waited = time.monotonic() - hold.started
+            if cold and not hold.overdue():
+                report.pending[group] = hold.why()
+                continue
+            del self._holds[group]
+            if cold:
+                message = (
+                    f"deadline of {hold.deadline_s:g} s passed with {', '.join(cold)} not warm: "
+                    f"bound cold to {', '.join(hold.nodes)}"
+                )
+                self._pods_event(hold.placements, "Warning", "WarmBeforeBindDeadline", message)
+            else:
+                message = f"{', '.join(hold.datasets)} warm on {', '.join(hold.nodes)} after {waited:.1f} s"
+                self._pods_event(hold.placements, "Normal", "WarmBeforeBind", message)
+            log.info("group %s: %s", group, message)
+            self._reported.pop(group, None)
+            self._bind_all(hold.placements, report)
+
+    def _pods_event(self, placements: list[Placement], kind: str, reason: str, message: str) -> None:
+        for placement in placements:
+            namespace, name = placement.pod.name.split("/", 1)
+            try:
+                post_pod_event(self.api, namespace, name, kind, reason, message, self.scheduler_name)
+            except ApiError as exc:
+                log.debug("could not post an Event for %s: %s", placement.pod.name, exc)
 
     def _bind_all(self, placements: list[Placement], report: CycleReport) -> None:
         """Posts the Bindings in parallel; what they did is recorded here, on the loop's own thread."""
