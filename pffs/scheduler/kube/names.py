@@ -23,6 +23,8 @@ Pods (only those with ``spec.schedulerName`` = ours are placed; every pod on a n
     ``pffs.io/min-member``. A PodGroup's own label ``pffs.io/queue`` overrides its pods'.
   * annotation ``pffs.io/gpus: "0,1"``: the GPU indexes pffs chose; written through the Binding (the API
     server copies a Binding's annotations onto the pod), read back for running pods.
+  * annotations ``pffs.io/warm-before-bind: "10m"`` and ``pffs.io/warm-secret``: bind the gang once its
+    nodes are warm, or at the deadline (``warm_before_bind.py``).
 """
 
 from __future__ import annotations
