@@ -137,6 +137,7 @@ def helm_template(values: Path, *sets: str) -> list[dict[str, Any]]:
         NAMESPACE,
         "-f",
         str(values),
+        "--include-crds",
     ]
     for item in sets:
         command += ["--set", item]
@@ -254,6 +255,7 @@ def shipped_values(node: KubeNode, cluster: NodeControlPlane, root: Path) -> str
             },
             # no CNI plugin: pods use the host's network
             "hostNetwork": True,
+            "warmups": {"enabled": True},
             # no kube-proxy: the API server's own address instead of the `kubernetes` Service's
             "extraEnv": [
                 {"name": "KUBERNETES_SERVICE_HOST", "value": "127.0.0.1"},
@@ -640,6 +642,68 @@ def test_a_mounter_replaced_takes_its_mounts_but_the_plugin_mounts_them_again_an
         assert all(read_only for _, read_only in stack), (target, stack)
         assert [fs for fs, _ in stack] == ["fuse.pffs", "fuse.pffs"], (target, stack)  # dead, then live
     print(f"mounter replaced: files opened anew read again within {recovered_s:.1f} s")
+
+
+def test_a_datasetwarmup_warms_the_node_and_its_gated_pod_then_reads_from_the_cache(shipped: Shipped) -> None:
+    """The chart with warmups.enabled on the real kubelet: a DatasetWarmup reaches Succeeded, the node's
+    report holds the dataset, and a pod gated on it is ungated, started by the kubelet and reads exact
+    bytes from the node's cache through an inline volume."""
+    world, s3 = shipped, shipped.s3
+    files = {f"shipped/warm/{i}.bin": os.urandom((1 << 20) + i) for i in range(3)}
+    world.raw.pipe({f"{world.bucket}/{k}": v for k, v in files.items()})
+    source = f"s3://{world.bucket}/shipped/warm"
+    keys = {"accessKeyId": s3.access_key, "secretAccessKey": s3.secret_key}
+    for namespace in (NAMESPACE, "default"):  # the warm-up reads its Secret in the driver's namespace
+        secret = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "pffs-s3-credentials"}}
+        apply(
+            world.dynamic,
+            {**secret, "metadata": {**secret["metadata"], "namespace": namespace}, "stringData": keys},
+        )
+    warmup = {
+        "apiVersion": "pffs.io/v1alpha1",
+        "kind": "DatasetWarmup",
+        "metadata": {"name": "shipped-warm", "namespace": "default"},
+        "spec": {
+            "source": source, "endpointUrl": s3.endpoint_url, "secretName": "pffs-s3-credentials",
+            "nodes": {"names": [NODE]},
+        },
+    }  # fmt: skip
+    name = next(iter(files)).rsplit("/", 1)[1]
+    pod = reader_pod("warm-reader", {"csi": {}}, False, "")
+    pod["metadata"]["labels"] = {"pffs.io/warmup": "shipped-warm"}
+    pod["spec"]["schedulingGates"] = [{"name": "pffs.io/warmup"}]
+    pod["spec"]["volumes"] = [{"name": "data", "csi": {
+        "driver": "csi.pffs.io", "readOnly": True, "nodePublishSecretRef": {"name": "pffs-s3-credentials"},
+        "volumeAttributes": {"source": source, "endpointUrl": s3.endpoint_url},
+    }}]  # fmt: skip
+    read = "import hashlib,sys; print(hashlib.sha256(open(sys.argv[1], 'rb').read()).hexdigest())"
+    pod["spec"]["containers"][0]["command"] = ["python3", "-c", read, f"/data/{name}"]
+    apply(world.dynamic, pod)
+    started = time.monotonic()
+    apply(world.dynamic, warmup)
+    custom = world.dynamic.resources.get(api_version="pffs.io/v1alpha1", kind="DatasetWarmup")
+
+    def status() -> dict[str, Any]:
+        found = custom.get(name="shipped-warm", namespace="default").to_dict()
+        return dict(found.get("status") or {})
+
+    assert world.core.read_namespaced_pod("warm-reader", "default").spec.scheduling_gates
+    poll("the warm-up succeeds", lambda: status().get("phase") == "Succeeded", 120, world.logs)
+    warm_s = time.monotonic() - started
+    assert status()["progress"] == "100%" and status()["bytesDone"] == sum(map(len, files.values()))
+    report = json.loads(world.core.read_node(NODE).metadata.annotations["pffs.io/cache"])["datasets"][source]
+    assert report["cached_bytes"] == report["total_bytes"] == sum(map(len, files.values()))
+    poll(
+        "the pod ungated, run and done",
+        lambda: world.core.read_namespaced_pod("warm-reader", "default").status.phase == "Succeeded",
+        120,
+        world.logs,
+    )
+    printed = world.core.read_namespaced_pod_log("warm-reader", "default").strip()
+    assert printed == sha256(next(iter(files.values())))
+    print(f"warm-up on the shipped chart: apply to Succeeded {warm_s:.1f} s")
+    world.core.delete_namespaced_pod("warm-reader", "default", grace_period_seconds=1)
+    custom.delete(name="shipped-warm", namespace="default")
 
 
 def test_uninstall_after_the_pods_leaves_nothing_mounted_or_running(shipped: Shipped) -> None:
