@@ -541,6 +541,29 @@ def test_metrics_endpoint(s3_server: SeaweedS3, raw_s3: s3fs.S3FileSystem, tmp_p
         assert "files fetched ahead" in table.stdout
 
 
+def test_a_read_write_mount_of_a_prefix_that_does_not_exist_starts_empty_and_the_first_write_makes_it(
+    s3_server: SeaweedS3, raw_s3: s3fs.S3FileSystem, tmp_path: Path
+) -> None:
+    bucket = new_bucket(raw_s3)
+    env = env_for(s3_server)
+    url = ("--endpoint-url", s3_server.endpoint_url)
+    result = pffs("mount", f"s3://{bucket}/runs/exp-new", str(tmp_path), "--read-only", *url, env=env)
+    assert result.returncode == 1 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert "runs/exp-new does not exist (nothing to read; a read-write mount of it starts empty)" in (
+        result.stderr
+    )
+    data = pattern(300_000, seed=3)
+    with mounted(f"s3://{bucket}/runs/exp-new", tmp_path, env, *url) as mount:
+        assert os.listdir(mount.path) == [] and mount.path.is_dir()
+        assert not raw_s3.exists(f"{bucket}/runs/exp-new")  # nothing made by mounting alone
+        (mount.path / "ckpt").mkdir()
+        (mount.path / "ckpt" / "step-1.pt").write_bytes(data)
+        (mount.path / "log.txt").write_text("epoch 1\n")
+        assert sorted(os.listdir(mount.path)) == ["ckpt", "log.txt"]
+    assert sha256(raw_s3.cat(f"{bucket}/runs/exp-new/ckpt/step-1.pt")) == sha256(data)
+    assert raw_s3.cat(f"{bucket}/runs/exp-new/log.txt") == b"epoch 1\n"
+
+
 # The command line
 
 

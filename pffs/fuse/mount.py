@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import faulthandler
 import logging
 import os
@@ -23,6 +24,7 @@ from typing import TextIO
 import pyfuse3
 import trio
 
+from pffs.backends.backend import Backend
 from pffs.backends.urls import open_backend
 from pffs.fuse import mount_record
 from pffs.fuse.ending import (
@@ -82,6 +84,29 @@ def serve(options: MountOptions, ready: Callable[[], None], supervisor: int | No
     return ending.code
 
 
+def _missing_root(backend: Backend, root: str, options: MountOptions) -> bool:
+    """A source that does not exist yet: a read-write mount starts empty (the first file written makes
+    the prefix, as with Mountpoint; a file system's folder is made now), a read-only one has nothing to
+    show. True if the root is to be shown as a new, empty directory."""
+    url = public_url(options.source)
+    if options.read_only:
+        raise FileNotFoundError(
+            errno.ENOENT, f"{url} does not exist (nothing to read; a read-write mount of it starts empty)"
+        )
+    if backend.has_real_directories:
+        backend.make_dir(root)
+        return False
+    bucket = root.split("/", 1)[0]
+    try:
+        backend.stat(bucket)
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            errno.ENOENT, f"{url}: the bucket {bucket} does not exist (pffs does not create buckets)"
+        ) from None
+    log.info("%s does not exist yet: the mount starts empty; the first file written creates it", url)
+    return True
+
+
 def _mount_and_serve(
     options: MountOptions, ready: Callable[[], None], record: Path, supervisor: int | None
 ) -> Ending:
@@ -91,9 +116,14 @@ def _mount_and_serve(
         # The kernel keeps what the mount serves in its page cache: the disk tier is read around it.
         vfs = Vfs(backend, options.cache.model_copy(update={"direct_io": True}))
         stack.callback(vfs.cache.close)
-        root_info = vfs.stat(root)  # the backend answers, the credentials work, the source exists
-        if not root_info.is_dir:
-            raise NotADirectoryError(20, f"{options.source} is an object, not a directory or prefix")
+        try:
+            root_info = vfs.stat(root)  # the backend answers, the credentials work, the source exists
+        except FileNotFoundError:
+            root_is_new = _missing_root(backend, root, options)
+        else:
+            root_is_new = False
+            if not root_info.is_dir:
+                raise NotADirectoryError(20, f"{options.source} is an object, not a directory or prefix")
         if options.peers is not None:
             vfs.join_group(options.peers, root)
         staging = Staging(options.cache.cache_dir / "staging", backend)
@@ -105,6 +135,8 @@ def _mount_and_serve(
             )
         posix = keeps_posix_attributes(options, backend.stores_posix_metadata)
         namespace = Namespace(vfs, staging, negative_ttl_s=options.attr_ttl, posix=posix)
+        if root_is_new:
+            namespace.new_dirs.add(root)  # shown (empty) until a file is written: that makes the prefix
         operations = Operations(namespace, root, options)
         stack.callback(operations.close)
 
