@@ -37,7 +37,14 @@ COUNTERS = (
     "disk_evictions",
     "corrupt_blocks",
     "disk_write_failures",
-)
+    # Backend requests of the processes reading through this cache (counted by the VFS; the cache knows
+    # nothing of backends): per kind, requests, failures and "no such object" answers.
+    *(
+        f"backend_{kind}_{what}"
+        for kind in ("get", "head", "list", "put", "delete", "copy")
+        for what in ("requests", "errors", "not_found")
+    ),
+)  # new counters go at the end: a counts file written by an older version reads as zeros past its end
 LIVE_FOLDER = "stats.live"  # beside stats.sqlite
 SUFFIX = ".counts"
 _SIZE = 8 * len(COUNTERS)  # one signed 64-bit count per counter, in COUNTERS' order

@@ -62,17 +62,20 @@ def test_cat_warmup_and_stats_against_s3(
     result = run("cat", f"s3://{bucket}/ds/f3", *common, env=s3_env)
     assert result.returncode == 0 and sha256(result.stdout) == sha256(files["ds/f3"])
 
-    stats = json.loads(run("stats", "--json", *common).stdout)
+    report = json.loads(run("stats", "--json", *common).stdout)
+    stats = report["cache"]
     blocks = sum(-(-len(d) // (128 * 1024)) for d in files.values())
     assert stats["misses"] == blocks and stats["bytes_fetched"] == total
-    assert stats["disk_blocks"] == blocks
+    assert report["cache_usage"]["disk_blocks"] == blocks
     assert stats["disk_hits"] >= -(-len(files["ds/f3"]) // (128 * 1024))
+    # the backend requests of every process that read through this cache: one GET per block fetched
+    assert report["backend_requests"]["get"] == {"requests": blocks, "errors": 0, "not_found": 0}
     table = run("stats", *common).stdout.decode()
     assert "hit ratio" in table and "misses (backend fetches)" in table
 
     assert run("cache", "gc", "--verify", *common).returncode == 0
     assert "removed" in run("cache", "clear", *common).stdout.decode()
-    assert json.loads(run("stats", "--json", *common).stdout)["disk_blocks"] == 0
+    assert json.loads(run("stats", "--json", *common).stdout)["cache_usage"]["disk_blocks"] == 0
 
 
 def test_bad_credentials_one_line_no_secret(
@@ -211,7 +214,7 @@ def test_the_disk_bound_is_the_caches_and_gc_verify_is_counted(tmp_path: Path) -
     cache = ["--cache-dir", str(tmp_path / "c")]
 
     def capacity() -> int:
-        return int(json.loads(run("stats", "--json", *cache).stdout)["disk_capacity_bytes"])
+        return int(json.loads(run("stats", "--json", *cache).stdout)["cache_usage"]["disk_capacity_bytes"])
 
     assert run("warmup", str(data), "--cache-size", "50M", *cache).returncode == 0
     assert capacity() == 50 << 20
@@ -225,5 +228,5 @@ def test_the_disk_bound_is_the_caches_and_gc_verify_is_counted(tmp_path: Path) -
     block.write_bytes(bytes(raw))
     report = json.loads(run("cache", "gc", "--verify", "--json", *cache).stdout)
     assert report["corrupt"] == 1
-    assert json.loads(run("stats", "--json", *cache).stdout)["corrupt_blocks"] == 1
+    assert json.loads(run("stats", "--json", *cache).stdout)["cache"]["corrupt_blocks"] == 1
     assert sha256(run("cat", str(data), *cache).stdout) == sha256(data.read_bytes())  # fetched again

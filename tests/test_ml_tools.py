@@ -211,5 +211,5 @@ def test_a_tar_shard_streams_through_pffs_cat_as_webdataset_pipe_reads_it(
         [sys.executable, "-m", "pffs.cli.main", "--cache-dir", cache, "stats", "--json"],
         capture_output=True, env=s3_env, timeout=60, check=True,
     )  # fmt: skip
-    totals = json.loads(stats.stdout)
+    totals = json.loads(stats.stdout)["cache"]
     assert totals["misses"] == 1 and totals["memory_hits"] + totals["disk_hits"] == 1, totals

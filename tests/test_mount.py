@@ -534,11 +534,24 @@ def test_metrics_endpoint(s3_server: SeaweedS3, raw_s3: s3fs.S3FileSystem, tmp_p
         assert "pffs_cache_misses_total 1.0" in text
         assert 'pffs_backend_requests_total{kind="get"}' in text
         assert "pffs_files_prefetched_total 0.0" in text
-        stats = pffs("stats", str(mount.path), "--json")
-        assert json.loads(stats.stdout)["cache"]["misses"] == 1
+        assert not (mount.path / "no-such-name").exists()  # a lookup answered 404: not an error
+        stats = json.loads(pffs("stats", str(mount.path), "--json").stdout)
+        assert stats["scope"] == "mount" and stats["cache"]["misses"] == 1
+        assert stats["cache"]["hit_ratio"] == 0.0
+        head = stats["backend_requests"]["head"]
+        assert head["not_found"] >= 1 and head["errors"] == 0, head
         table = pffs("stats", str(mount.path))
         assert "backend requests" in table.stdout and "uploads pending" in table.stdout
-        assert "files fetched ahead" in table.stdout
+        assert "files fetched ahead" in table.stdout and "not found" in table.stdout
+        # the cache directory's stats (every process reading through it): the same counters, same keys
+        folder = json.loads(pffs("stats", "--json", "--cache-dir", str(mount.cache_dir)).stdout)
+        assert folder["scope"] == "cache_dir"
+        assert folder["cache"].keys() == stats["cache"].keys()
+        assert folder["cache"]["misses"] == 1 and folder["cache"]["bytes_fetched"] == len(b"metrics")
+        assert folder["backend_requests"].keys() == stats["backend_requests"].keys()
+        for kind, row in folder["backend_requests"].items():  # the mount is the only reader here
+            mine = stats["backend_requests"][kind]
+            assert row == {k: mine[k] for k in ("requests", "errors", "not_found")}, kind
 
 
 def test_a_read_write_mount_of_a_prefix_that_does_not_exist_starts_empty_and_the_first_write_makes_it(

@@ -15,6 +15,7 @@ import hashlib
 import logging
 import os
 import posixpath
+import tempfile
 import threading
 import time
 import weakref
@@ -30,7 +31,7 @@ from pffs.backends.deadline import timeout_left
 from pffs.backends.errors import BadOptionError, ObjectChangedError
 from pffs.backends.identity import identity_token, mtime_seconds
 from pffs.backends.posix_metadata import PosixAttributes
-from pffs.backends.request_stats import RequestStats
+from pffs.backends.request_stats import ERROR, NOT_FOUND, OK, RequestStats
 from pffs.backends.retry import RetryPolicy, describe
 from pffs.backends.s3_native import NativeS3Getter, NotHandled, native_getter_for
 
@@ -147,14 +148,17 @@ class Backend:
         """One request (with its retries, within the deadline), counted and timed as `kind`. A request that
         sends `transfer_bytes` gets time for them beyond the deadline (SLOWEST_TRANSFER_RATE)."""
         started = time.perf_counter()
-        failed = True
+        outcome = ERROR
         try:
             extra_s = transfer_bytes / SLOWEST_TRANSFER_RATE
             result = self.retry.call(self._attempt(fn), self.url(path), extra_s)
-            failed = False
+            outcome = OK
             return result
+        except FileNotFoundError:
+            outcome = NOT_FOUND  # an answer (a lookup of a name that is not there), not a failure
+            raise
         finally:
-            self.requests.record(kind, time.perf_counter() - started, failed)
+            self.requests.record(kind, time.perf_counter() - started, outcome)
 
     def stat(self, path: str) -> ObjectInfo:
         return self._to_info(self._call("head", lambda: self.fs.info(path, **self._wait()), path))
@@ -203,6 +207,18 @@ class Backend:
     def remove(self, path: str) -> None:
         self._call("delete", lambda: self.fs.rm_file(path, **self._wait()), path)
         self.invalidate(path)
+
+    def copy(self, source: str, target: str, size: int = 0) -> None:
+        """A copy of the object at source, made by the store where it can (S3: CopyObject, the bytes never
+        leave it), else read and written again in one piece. `size`: the source's, given time to copy."""
+        try:
+            self._call("copy", lambda: self.fs.cp_file(source, target, **self._wait()), target, size)
+        except NotImplementedError:  # a filesystem with no copy of its own: through a local file
+            with tempfile.TemporaryDirectory(prefix="pffs-copy-") as folder:
+                local = os.path.join(folder, "object")
+                self._call("get", lambda: self.fs.get_file(source, local), source, size)
+                self._call("put", lambda: self.fs.put_file(local, target), target, size)
+        self.invalidate(target)
 
     def move(self, source: str, target: str) -> None:
         """A rename where the backend has one; copy then delete elsewhere (S3: not atomic)."""

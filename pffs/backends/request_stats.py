@@ -1,7 +1,10 @@
 """Backend requests counted per kind, with their latencies, for `pffs stats` and Prometheus.
 
-A bounded ring of recent latencies per kind gives percentiles without keeping every sample; Prometheus
-histograms (made by the mount, see pffs.fuse.metrics) read the same events through `listeners`.
+Each request ends one of three ways: answered (OK), answered "there is no such object" (NOT_FOUND: a
+lookup of a name that is not there, which a listing of a dataset does all the time; not a failure), or
+failed (ERROR, after its retries). A bounded ring of recent latencies per kind gives percentiles without
+keeping every sample; `listeners` get every request too (the VFS counts them into the cache directory's
+machine-wide totals).
 """
 
 from __future__ import annotations
@@ -14,7 +17,8 @@ from collections.abc import Callable
 KINDS = ("get", "head", "list", "put", "delete", "copy")
 RECENT = 4096  # latencies kept per kind for percentiles
 
-Listener = Callable[[str, float, bool], None]  # (kind, seconds, failed)
+OK, NOT_FOUND, ERROR = "ok", "not_found", "error"
+Listener = Callable[[str, float, str], None]  # (kind, seconds, outcome)
 
 
 class RequestStats:
@@ -23,30 +27,36 @@ class RequestStats:
         self._lock = threading.Lock()
         self._counts = dict.fromkeys(KINDS, 0)
         self._errors = dict.fromkeys(KINDS, 0)
+        self._not_found = dict.fromkeys(KINDS, 0)
         self._recent: dict[str, deque[float]] = {kind: deque(maxlen=RECENT) for kind in KINDS}
         self.listeners: list[Listener] = []
 
-    def record(self, kind: str, seconds: float, failed: bool) -> None:
+    def record(self, kind: str, seconds: float, outcome: str) -> None:
         if self._pid != os.getpid():  # a forked child: the parent's requests (and lock) are the parent's
             listeners = self.listeners
             self.__init__()  # type: ignore[misc]
             self.listeners = listeners
         with self._lock:
             self._counts[kind] += 1
-            self._errors[kind] += failed
+            self._errors[kind] += outcome == ERROR
+            self._not_found[kind] += outcome == NOT_FOUND
             self._recent[kind].append(seconds)
         for listener in self.listeners:
-            listener(kind, seconds, failed)
+            listener(kind, seconds, outcome)
 
     def snapshot(self) -> dict[str, dict[str, float]]:
-        """Per kind: requests, errors, and p50/p90/p99 latency in milliseconds of the recent ones."""
+        """Per kind: requests, errors, not_found, and p50/p90/p99 latency (ms) of the recent ones."""
         with self._lock:
             recent = {kind: sorted(samples) for kind, samples in self._recent.items()}
-            counts, errors = dict(self._counts), dict(self._errors)
+            counts, errors, missing = dict(self._counts), dict(self._errors), dict(self._not_found)
         out: dict[str, dict[str, float]] = {}
         for kind in KINDS:
             samples = recent[kind]
-            row: dict[str, float] = {"requests": counts[kind], "errors": errors[kind]}
+            row: dict[str, float] = {
+                "requests": counts[kind],
+                "errors": errors[kind],
+                "not_found": missing[kind],
+            }
             for name, q in (("p50_ms", 0.50), ("p90_ms", 0.90), ("p99_ms", 0.99)):
                 row[name] = (
                     round(samples[min(len(samples) - 1, int(q * len(samples)))] * 1e3, 3) if samples else 0.0

@@ -39,74 +39,105 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
     c.set_defaults(run=gc)
 
 
+BACKEND_KINDS = ("get", "head", "list", "put", "delete", "copy")
+
+
 def collect_stats(args: argparse.Namespace) -> dict[str, Any]:
+    """The cache directory's statistics (every process that read through it), in a mount's shape."""
     settings, cache = open_cache(args, must_exist=True)
     totals = cache.machine_totals()
     usage = cache.usage()
-    lookups = totals["memory_hits"] + totals["disk_hits"] + totals["misses"]
+    backend = {
+        kind: {what: totals[f"backend_{kind}_{what}"] for what in ("requests", "errors", "not_found")}
+        for kind in BACKEND_KINDS
+    }
     return {
+        "scope": "cache_dir",
         "cache_dir": str(settings.cache_dir),
-        "disk_bytes": usage["disk_bytes"],
-        "disk_blocks": usage["disk_blocks"],
-        "disk_capacity_bytes": cache.disk.capacity_bytes if cache.disk is not None else settings.cache_size,
         "block_size": settings.block_size,
-        "hit_ratio": round((totals["memory_hits"] + totals["disk_hits"]) / lookups, 4) if lookups else None,
-        **totals,
+        "cache": _with_hit_ratio({k: v for k, v in totals.items() if not k.startswith("backend_")}),
+        "cache_usage": {
+            "disk_bytes": usage["disk_bytes"],
+            "disk_blocks": usage["disk_blocks"],
+            "disk_capacity_bytes": (
+                cache.disk.capacity_bytes if cache.disk is not None else settings.cache_size
+            ),
+        },
+        "backend_requests": backend,
     }
 
 
+def _with_hit_ratio(counters: dict[str, Any]) -> dict[str, Any]:
+    """The counters and their hit ratio: reads served from memory or disk over all block reads (None
+    before any read)."""
+    hits = counters["memory_hits"] + counters["disk_hits"]
+    lookups = hits + counters["misses"]
+    return {**counters, "hit_ratio": round(hits / lookups, 4) if lookups else None}
+
+
 def stats(args: argparse.Namespace) -> int:
-    if args.mountpoint:
-        return mount_stats(args.mountpoint, args.json)
-    report = collect_stats(args)
+    report = read_mount_stats(args.mountpoint) if args.mountpoint else collect_stats(args)
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
-    used = report["disk_bytes"] / report["disk_capacity_bytes"] if report["disk_capacity_bytes"] else 0
-    ratio = report["hit_ratio"]
-    rows = [
-        ("cache directory", report["cache_dir"]),
+    cache, usage = report["cache"], report["cache_usage"]
+    ratio = cache["hit_ratio"]
+    if report["scope"] == "mount":
+        rows = [("mount", f"{report['source']} at {report['mountpoint']} (pid {report['pid']})")]
+    else:
+        rows = [("cache directory", report["cache_dir"])]
+    used = usage["disk_bytes"] / usage["disk_capacity_bytes"] if usage["disk_capacity_bytes"] else 0
+    rows += [
+        ("hit ratio", "-" if ratio is None else f"{ratio:.1%}"),
+        ("memory hits", f"{cache['memory_hits']:,}  ({format_size(cache['bytes_from_memory'])})"),
+        ("disk hits", f"{cache['disk_hits']:,}  ({format_size(cache['bytes_from_disk'])})"),
+        ("misses (backend fetches)", f"{cache['misses']:,}  ({format_size(cache['bytes_fetched'])})"),
+        ("evictions memory / disk", f"{cache['memory_evictions']:,} / {cache['disk_evictions']:,}"),
         (
             "disk used",
-            f"{format_size(report['disk_bytes'])} of {format_size(report['disk_capacity_bytes'])} "
-            f"({used:.0%}), {report['disk_blocks']:,} blocks",
+            f"{format_size(usage['disk_bytes'])} of {format_size(usage['disk_capacity_bytes'])} ({used:.0%})"
+            + (f", {usage['disk_blocks']:,} blocks" if "disk_blocks" in usage else ""),
         ),
-        ("hit ratio", "-" if ratio is None else f"{ratio:.1%}"),
-        ("memory hits", f"{report['memory_hits']:,}  ({format_size(report['bytes_from_memory'])})"),
-        ("disk hits", f"{report['disk_hits']:,}  ({format_size(report['bytes_from_disk'])})"),
-        ("misses (backend fetches)", f"{report['misses']:,}  ({format_size(report['bytes_fetched'])})"),
-        ("evictions memory / disk", f"{report['memory_evictions']:,} / {report['disk_evictions']:,}"),
-        ("corrupt blocks dropped", f"{report['corrupt_blocks']:,}"),
-        ("disk write failures", f"{report['disk_write_failures']:,}"),
     ]
+    if report["scope"] == "mount":
+        rows += _mount_rows(report)
+    else:
+        rows += [
+            ("corrupt blocks dropped", f"{cache['corrupt_blocks']:,}"),
+            ("disk write failures", f"{cache['disk_write_failures']:,}"),
+        ]
     width = max(len(name) for name, _ in rows)
     for name, value in rows:
         print(f"{name:<{width}}  {value}")
+    print()
+    timed = report["scope"] == "mount"
+    header = f"{'backend requests':<16} {'count':>9} {'errors':>7} {'not found':>10}"
+    print(header + (f" {'p50 ms':>9} {'p90 ms':>9} {'p99 ms':>9}" if timed else ""))
+    for kind, row in report["backend_requests"].items():
+        line = f"{kind:<16} {row['requests']:>9,} {row['errors']:>7,} {row.get('not_found', 0):>10,}"
+        if timed:
+            line += f" {row['p50_ms']:>9.2f} {row['p90_ms']:>9.2f} {row['p99_ms']:>9.2f}"
+        print(line)
     return 0
 
 
-def mount_stats(mountpoint: str, as_json: bool) -> int:
+def read_mount_stats(mountpoint: str) -> dict[str, Any]:
+    """A running mount's statistics (its own process's), in the cache directory's shape plus its own."""
     try:
         report = json.loads(os.getxattr(mountpoint, "user.pffs.stats"))
     except OSError as exc:
         raise OSError(exc.errno, f"{mountpoint} is not a running pffs mount ({exc.strerror})") from None
-    if as_json:
-        print(json.dumps(report, indent=2))
-        return 0
-    cache, usage = report["cache"], report["cache_usage"]
-    lookups = cache["memory_hits"] + cache["disk_hits"] + cache["misses"]
-    hits = cache["memory_hits"] + cache["disk_hits"]
+    counters = {k: v for k, v in report["cache"].items() if not k.startswith("backend_")}
+    return {"scope": "mount", **report, "cache": _with_hit_ratio(counters)}
+
+
+def _mount_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
+    usage = report["cache_usage"]
     rows = [
-        ("mount", f"{report['source']} at {report['mountpoint']} (pid {report['pid']})"),
-        ("hit ratio", f"{hits / lookups:.1%}" if lookups else "-"),
-        ("memory hits", f"{cache['memory_hits']:,}  ({format_size(cache['bytes_from_memory'])})"),
-        ("disk hits", f"{cache['disk_hits']:,}  ({format_size(cache['bytes_from_disk'])})"),
-        ("misses (backend fetches)", f"{cache['misses']:,}  ({format_size(cache['bytes_fetched'])})"),
         (
             "memory tier",
             f"{format_size(usage['memory_bytes'])} of {format_size(usage['memory_capacity_bytes'])}",
         ),
-        ("disk tier", f"{format_size(usage['disk_bytes'])} of {format_size(usage['disk_capacity_bytes'])}"),
         (
             "uploads pending / done / failed",
             f"{report['uploads_pending']} / {report['uploads_done']} / {report['upload_failures']}",
@@ -128,17 +159,7 @@ def mount_stats(mountpoint: str, as_json: bool) -> int:
                 f"{peers['failures']} / {peers['refused']}",
             ),
         ]
-    width = max(len(name) for name, _ in rows)
-    for name, value in rows:
-        print(f"{name:<{width}}  {value}")
-    print()
-    print(f"{'backend requests':<16} {'count':>9} {'errors':>7} {'p50 ms':>9} {'p90 ms':>9} {'p99 ms':>9}")
-    for kind, row in report["backend_requests"].items():
-        print(
-            f"{kind:<16} {row['requests']:>9,} {row['errors']:>7,} "
-            f"{row['p50_ms']:>9.2f} {row['p90_ms']:>9.2f} {row['p99_ms']:>9.2f}"
-        )
-    return 0
+    return rows
 
 
 def clear(args: argparse.Namespace) -> int:

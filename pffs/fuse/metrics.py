@@ -37,6 +37,11 @@ class MountCollector(Collector):
         yield usage
         requests = CounterMetricFamily("pffs_backend_requests", "backend requests", labels=["kind"])
         errors = CounterMetricFamily("pffs_backend_errors", "backend requests that failed", labels=["kind"])
+        not_found = CounterMetricFamily(
+            "pffs_backend_not_found",
+            "backend requests answered: no such object (not errors)",
+            labels=["kind"],
+        )
         latency = GaugeMetricFamily(
             "pffs_backend_latency_seconds",
             "backend request latency over recent requests",
@@ -45,10 +50,12 @@ class MountCollector(Collector):
         for kind, row in report["backend_requests"].items():
             requests.add_metric([kind], row["requests"])
             errors.add_metric([kind], row["errors"])
+            not_found.add_metric([kind], row.get("not_found", 0))
             for quantile, field in (("0.5", "p50_ms"), ("0.9", "p90_ms"), ("0.99", "p99_ms")):
                 latency.add_metric([kind, quantile], row[field] / 1e3)
         yield requests
         yield errors
+        yield not_found
         yield latency
         yield GaugeMetricFamily(
             "pffs_uploads_pending", "files written and not uploaded yet", value=report["uploads_pending"]

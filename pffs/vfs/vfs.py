@@ -13,8 +13,10 @@ from pathlib import Path
 
 from pffs.backends.backend import Backend, ObjectInfo
 from pffs.backends.errors import BadOptionError, ObjectChangedError
+from pffs.backends.request_stats import NOT_FOUND, OK
 from pffs.cache import Block, BlockCache
 from pffs.cache.fork import after_fork_in_child
+from pffs.cache.stats import CacheStats
 from pffs.config import CacheSettings, format_size
 from pffs.peers.group import PeerGroup
 from pffs.peers.protocol import BlockRequest
@@ -65,6 +67,9 @@ class Vfs:
             settings.fetch_workers,
         )
         after_fork_in_child(self.metadata.reset_after_fork)
+        counter = RequestCounter(self.cache.stats)
+        if counter not in backend.requests.listeners:  # one backend may serve several Vfs of one cache
+            backend.requests.listeners.append(counter)
 
     # A cache group (pffs.peers)
 
@@ -167,6 +172,25 @@ class Vfs:
 
 
 _shared_caches: dict[tuple[object, ...], BlockCache] = {}
+
+
+class RequestCounter:
+    """Counts each backend request into the cache directory's machine-wide totals (`pffs stats`); equal
+    to another counter into the same totals."""
+
+    def __init__(self, stats: CacheStats) -> None:
+        self.stats = stats
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, RequestCounter) and other.stats is self.stats
+
+    def __hash__(self) -> int:
+        return id(self.stats)
+
+    def __call__(self, kind: str, seconds: float, outcome: str) -> None:
+        self.stats.add(f"backend_{kind}_requests")
+        if outcome != OK:
+            self.stats.add(f"backend_{kind}_{'not_found' if outcome == NOT_FOUND else 'errors'}")
 
 
 def shared_block_cache(settings: CacheSettings) -> BlockCache:
