@@ -230,3 +230,20 @@ def test_the_disk_bound_is_the_caches_and_gc_verify_is_counted(tmp_path: Path) -
     assert report["corrupt"] == 1
     assert json.loads(run("stats", "--json", *cache).stdout)["cache"]["corrupt_blocks"] == 1
     assert sha256(run("cat", str(data), *cache).stdout) == sha256(data.read_bytes())  # fetched again
+
+
+def test_the_cli_parses_without_importing_what_only_commands_need() -> None:
+    """`pffs --version`, `--help` and argument errors must start fast (tools call pffs in pipes): building
+    the parser imports no backend client, no pydantic, no gRPC, no Kubernetes client, no ML library."""
+    probe = (
+        "import sys; from pffs.cli.main import build_parser; build_parser().format_help(); "
+        "print(' '.join(sorted({m.split('.')[0] for m in sys.modules})))"
+    )
+    loaded = set(
+        subprocess.run(
+            [sys.executable, "-c", probe], capture_output=True, text=True, check=True
+        ).stdout.split()
+    )
+    heavy = {"fsspec", "s3fs", "botocore", "aiobotocore", "aiohttp", "pydantic", "grpc", "kubernetes", "numpy",
+             "pyarrow", "torch", "tqdm", "diskcache", "pyfuse3", "trio", "hdfs_native"}  # fmt: skip
+    assert not loaded & heavy, sorted(loaded & heavy)

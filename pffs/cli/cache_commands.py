@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from pffs.cli.context import open_cache
-from pffs.config import format_size
+if TYPE_CHECKING:
+    pass
 
 
 def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
@@ -44,6 +44,8 @@ BACKEND_KINDS = ("get", "head", "list", "put", "delete", "copy")
 
 def collect_stats(args: argparse.Namespace) -> dict[str, Any]:
     """The cache directory's statistics (every process that read through it), in a mount's shape."""
+    from pffs.cli.context import open_cache
+
     settings, cache = open_cache(args, must_exist=True)
     totals = cache.machine_totals()
     usage = cache.usage()
@@ -76,6 +78,8 @@ def _with_hit_ratio(counters: dict[str, Any]) -> dict[str, Any]:
 
 
 def stats(args: argparse.Namespace) -> int:
+    from pffs.config import format_size
+
     report = read_mount_stats(args.mountpoint) if args.mountpoint else collect_stats(args)
     if args.json:
         print(json.dumps(report, indent=2))
@@ -132,6 +136,8 @@ def read_mount_stats(mountpoint: str) -> dict[str, Any]:
 
 
 def _mount_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
+    from pffs.config import format_size
+
     usage = report["cache_usage"]
     rows = [
         (
@@ -163,6 +169,8 @@ def _mount_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
 
 
 def clear(args: argparse.Namespace) -> int:
+    from pffs.cli.context import open_cache
+
     settings, cache = open_cache(args, must_exist=True)
     removed = cache.clear()
     print(f"removed {removed:,} blocks from {settings.cache_dir}")
@@ -170,6 +178,9 @@ def clear(args: argparse.Namespace) -> int:
 
 
 def gc(args: argparse.Namespace) -> int:
+    from pffs.cli.context import open_cache
+    from pffs.config import format_size
+
     settings, cache = open_cache(args, must_exist=True)
     if cache.disk is None:
         print(f"no usable disk cache at {settings.cache_dir}")

@@ -5,16 +5,14 @@ from __future__ import annotations
 import argparse
 import errno
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from pydantic import ValidationError
+if TYPE_CHECKING:
+    from pffs.backends.options import BackendOptions
+    from pffs.cache import BlockCache
+    from pffs.config import CacheSettings
+    from pffs.vfs import Vfs
 
-from pffs.backends.errors import BadOptionError
-from pffs.backends.options import BackendOptions
-from pffs.backends.urls import open_backend
-from pffs.cache import BlockCache
-from pffs.config import CacheSettings, settings_error
-from pffs.vfs import Vfs, shared_block_cache
 
 CACHE_OPTIONS = ("cache_dir", "cache_size", "memory_cache_size", "block_size", "metadata_ttl")
 BACKEND_OPTIONS = {
@@ -33,6 +31,11 @@ def _given(args: argparse.Namespace, names: Any) -> dict[str, Any]:
 
 
 def cache_settings(args: argparse.Namespace, **overrides: Any) -> CacheSettings:
+    from pydantic import ValidationError
+
+    from pffs.backends.errors import BadOptionError
+    from pffs.config import CacheSettings, settings_error
+
     values = {**_given(args, CACHE_OPTIONS), **overrides}
     try:
         return CacheSettings(**values)
@@ -41,6 +44,12 @@ def cache_settings(args: argparse.Namespace, **overrides: Any) -> CacheSettings:
 
 
 def backend_options(args: argparse.Namespace) -> BackendOptions:
+    from pydantic import ValidationError
+
+    from pffs.backends.errors import BadOptionError
+    from pffs.backends.options import BackendOptions
+    from pffs.config import settings_error
+
     given = _given(args, BACKEND_OPTIONS)
     try:
         return BackendOptions(**{BACKEND_OPTIONS[k]: v for k, v in given.items()})
@@ -49,6 +58,9 @@ def backend_options(args: argparse.Namespace) -> BackendOptions:
 
 
 def open_vfs(url: str, args: argparse.Namespace, **overrides: Any) -> tuple[Vfs, str]:
+    from pffs.backends.urls import open_backend
+    from pffs.vfs import Vfs
+
     backend, path = open_backend(url, backend_options(args))
     return Vfs(backend, cache_settings(args, **overrides)), path
 
@@ -56,6 +68,8 @@ def open_vfs(url: str, args: argparse.Namespace, **overrides: Any) -> tuple[Vfs,
 def open_cache(args: argparse.Namespace, must_exist: bool = False) -> tuple[CacheSettings, BlockCache]:
     """The cache at --cache-dir; with `must_exist`, a folder that holds no pffs cache is an error (for the
     commands that look after a cache: they must not make an empty one)."""
+    from pffs.vfs import shared_block_cache
+
     settings = cache_settings(args)
     if must_exist and not has_cache(settings):
         raise OSError(

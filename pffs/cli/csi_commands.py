@@ -5,13 +5,13 @@ from __future__ import annotations
 import argparse
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from pydantic import ValidationError
-
-from pffs.backends.errors import BadOptionError
 from pffs.cli.errors import UsageError
-from pffs.config import CacheSettings, settings_error
+
+if TYPE_CHECKING:
+    pass
+
 
 CSI_HELP = """\
 Serves the CSI plugin of pffs (driver name csi.pffs.io) on a unix socket, as the node DaemonSet and the
@@ -205,6 +205,10 @@ def run_mounter(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+
+    from pffs.backends.errors import BadOptionError
+    from pffs.config import CacheSettings, settings_error
     from pffs.csi.server import PluginOptions, serve
     from pffs.csi.warmups import own_namespace
 

@@ -6,11 +6,11 @@ import errno
 import logging
 import sys
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from pydantic import ValidationError
+if TYPE_CHECKING:
+    pass
 
-from pffs.backends.errors import BackendUnavailableError, BadOptionError, UnknownSchemeError
-from pffs.config import settings_error
 
 log = logging.getLogger("pffs")
 
@@ -39,6 +39,11 @@ def run_reporting_errors(command: Callable[[], int]) -> int:
 
 def describe_failure(exc: Exception) -> tuple[str, int]:
     """One line for the user (after "pffs: ") and the exit code, for any error a command can meet."""
+    from pydantic import ValidationError
+
+    from pffs.backends.errors import BackendUnavailableError, BadOptionError, UnknownSchemeError
+    from pffs.config import settings_error
+
     if isinstance(exc, UsageError | BadOptionError | UnknownSchemeError):
         return f"error: {exc}", EXIT_USAGE
     if isinstance(exc, ValidationError):

@@ -17,14 +17,12 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from pffs.backends.backend import ObjectInfo
-from pffs.backends.urls import open_backend
-from pffs.cache import BlockCache
-from pffs.cli.context import backend_options, cache_settings, has_cache
-from pffs.config import format_size
-from pffs.vfs import Vfs
+if TYPE_CHECKING:
+    from pffs.backends.backend import ObjectInfo
+    from pffs.vfs import Vfs
+
 
 LS_EPILOG = """\
 columns: SIZE, CACHED (bytes of the object's current version in the disk cache at --cache-dir), the
@@ -131,6 +129,11 @@ class Listing:
 
 @contextmanager
 def open_listing(url: str, args: argparse.Namespace) -> Iterator[Listing]:
+    from pffs.backends.urls import open_backend
+    from pffs.cache import BlockCache
+    from pffs.cli.context import backend_options, cache_settings, has_cache
+    from pffs.vfs import Vfs
+
     backend, path = open_backend(url, backend_options(args))
     root = path.rstrip("/") or path
     settings = cache_settings(args)
@@ -291,6 +294,8 @@ def prefix_rows(node: Usage, url: str, depth: int) -> list[dict[str, Any]]:
 
 
 def size_formatter(exact: bool) -> Callable[[int], str]:
+    from pffs.config import format_size
+
     return (lambda n: f"{n:,}") if exact else format_size
 
 

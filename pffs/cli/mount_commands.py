@@ -14,20 +14,14 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from pydantic import ValidationError
-
-from pffs.backends.errors import BadOptionError
-from pffs.cli.context import backend_options, cache_settings
 from pffs.cli.errors import EXIT_FAILURE, EXIT_OK, UsageError
-from pffs.cli.peer_options import add_peer_options, peer_options
-from pffs.config import settings_error
-from pffs.fuse import mount_record
 from pffs.fuse.ending import exit_code_table
-from pffs.fuse.mount_record import default_log_file
-from pffs.fuse.options import MountOptions
-from pffs.processes import is_alive
+
+if TYPE_CHECKING:
+    from pffs.fuse.options import MountOptions
+
 
 READY_TIMEOUT_S = 120.0
 MOUNT_HELP = """\
@@ -46,6 +40,8 @@ detaches it. A mount killed with its supervisor is reported by the next `pffs mo
 
 
 def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
+    from pffs.cli.peer_options import add_peer_options
+
     p = sub.add_parser(
         "mount",
         parents=[common],
@@ -135,6 +131,15 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
 
 
 def mount_options(args: argparse.Namespace) -> MountOptions:
+    from pydantic import ValidationError
+
+    from pffs.backends.errors import BadOptionError
+    from pffs.cli.context import backend_options, cache_settings
+    from pffs.cli.peer_options import peer_options
+    from pffs.config import settings_error
+    from pffs.fuse.mount_record import default_log_file
+    from pffs.fuse.options import MountOptions
+
     overrides = {"metadata_ttl": args.dir_ttl} if args.dir_ttl is not None else {}
     mountpoint = Path(os.path.realpath(os.path.expanduser(args.mountpoint)))
     settings = cache_settings(args, **overrides)
@@ -192,6 +197,8 @@ def prepare_mountpoint(path: Path) -> None:
 
 
 def mount(args: argparse.Namespace) -> int:
+    from pffs.fuse import mount_record
+
     options = mount_options(args)
     if not os.path.exists("/dev/fuse"):
         raise OSError(19, "/dev/fuse is missing: this machine cannot mount FUSE file systems")
@@ -224,6 +231,7 @@ def start_in_background(options: MountOptions) -> int:
 
 def umount(args: argparse.Namespace) -> int:
     from pffs.fuse.mountpoint import force_unmount, mountpoint_state
+    from pffs.processes import is_alive
 
     path = Path(os.path.abspath(os.path.expanduser(args.mountpoint)))
     state = mountpoint_state(path)

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from pffs.backends.errors import BadOptionError
+if TYPE_CHECKING:
+    pass
 
 
 def add_peer_options(parser: argparse.ArgumentParser, serving: bool) -> None:
@@ -61,6 +62,8 @@ def add_peer_options(parser: argparse.ArgumentParser, serving: bool) -> None:
 
 def peer_options(args: argparse.Namespace) -> dict[str, Any] | None:
     """The cache group's settings (PeerSettings' fields) from the options above; None without members."""
+    from pffs.backends.errors import BadOptionError
+
     listen, no_share = getattr(args, "peer_listen", None), getattr(args, "no_share", False)
     if no_share and listen:
         raise BadOptionError("--no-share serves nothing: leave out --peer-listen")

@@ -10,20 +10,17 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from pydantic import ValidationError
-from tqdm import tqdm
-
-from pffs.backends.backend import ObjectInfo
-from pffs.backends.errors import BadOptionError
-from pffs.cli.context import open_vfs
 from pffs.cli.errors import UsageError
-from pffs.cli.peer_options import add_peer_options, peer_options
-from pffs.config import format_size, settings_error
+
+if TYPE_CHECKING:
+    from pffs.backends.backend import ObjectInfo
 
 
 def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
+    from pffs.cli.peer_options import add_peer_options
+
     p = sub.add_parser(
         "cat",
         parents=[common],
@@ -49,6 +46,8 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
 
 
 def cat(args: argparse.Namespace) -> int:
+    from pffs.cli.context import open_vfs
+
     vfs, path = open_vfs(args.url, args)
     handle = vfs.open(path)
     out = sys.stdout.buffer
@@ -76,6 +75,14 @@ class WarmupProgress:
 
 
 def warmup(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+    from tqdm import tqdm
+
+    from pffs.backends.errors import BadOptionError
+    from pffs.cli.context import open_vfs
+    from pffs.cli.peer_options import peer_options
+    from pffs.config import format_size, settings_error
+
     if args.workers < 1:
         raise UsageError(f"--workers must be at least 1, not {args.workers}")
     # Warm-up fills the disk; keeping every block in this short-lived process's memory would only churn.
