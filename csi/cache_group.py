@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -29,6 +28,7 @@ from typing import Any
 
 from pffs.csi.list_watch import ListWatch
 from pffs.csi.periodic import Periodic
+from pffs.csi.ports import can_bind
 from pffs.csi.state import path_key
 from pffs.peers.settings import PeerSettings
 from pffs.scheduler.kube.locality import normalize_dataset
@@ -58,15 +58,8 @@ def group_name(source: str, endpoint_url: str | None, block_size: int) -> str:
 def free_port(config: GroupConfig, taken: set[int]) -> int | None:
     """The first port of the range that no other volume holds and that can be bound on the node's address."""
     for port in range(config.ports[0], config.ports[1] + 1):
-        if port in taken:
-            continue
-        with socket.socket() as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the member's listener binds
-            try:
-                s.bind((config.node_ip, port))
-            except OSError:
-                continue
-        return port
+        if port not in taken and can_bind(config.node_ip, port, reuse_address=True):  # as the member binds
+            return port
     return None
 
 

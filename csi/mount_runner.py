@@ -9,7 +9,6 @@ The node plugin runs one itself when it starts mounts in its own container (test
 from __future__ import annotations
 
 import logging
-import socket
 import subprocess
 import sys
 import threading
@@ -23,6 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
 from pffs.csi.metrics import MounterMetrics
+from pffs.csi.ports import can_bind
 from pffs.fuse.ending import describe_exit_code
 from pffs.fuse.launch import start_mount_process
 from pffs.fuse.options import MountOptions
@@ -92,7 +92,7 @@ class MountRunner:
         with self._lock:
             taken = self._reserved | {m.metrics_port for m in self._running.values() if m.metrics_port}
             for port in range(first, last + 1):
-                if port not in taken and _can_bind(port):
+                if port not in taken and can_bind("127.0.0.1", port):
                     self._reserved.add(port)
                     return port
         log.warning("no port left in %d-%d for a mount's /metrics; this mount serves none", first, last)
@@ -131,15 +131,6 @@ class MountRunner:
 
     def close(self) -> None:
         self._relay.stop()
-
-
-def _can_bind(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        try:
-            probe.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 class MountsCollector(Collector):

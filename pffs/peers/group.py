@@ -25,7 +25,7 @@ from pffs.peers.tls import tls_contexts
 log = logging.getLogger(__name__)
 
 REST_S = 10.0  # a member that failed is not asked again for this long
-RECHECK_S = 1.0  # how often a members file is looked at (one stat) for a change
+RECHECK_S = 1.0  # how often a members file is read again (whole: a coarse mtime misses quick edits)
 COUNTERS = (
     "fetched_blocks",  # blocks this process got from a member
     "fetched_bytes",
