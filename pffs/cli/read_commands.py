@@ -75,13 +75,11 @@ class WarmupProgress:
 
 
 def warmup(args: argparse.Namespace) -> int:
-    from pydantic import ValidationError
     from tqdm import tqdm
 
-    from pffs.backends.errors import BadOptionError
     from pffs.cli.context import open_vfs
     from pffs.cli.peer_options import peer_options
-    from pffs.config import format_size, settings_error
+    from pffs.config import format_size
 
     if args.workers < 1:
         raise UsageError(f"--workers must be at least 1, not {args.workers}")
@@ -90,13 +88,9 @@ def warmup(args: argparse.Namespace) -> int:
     group_options = peer_options(args)
     group = None
     if group_options is not None:
-        from pffs.peers.settings import PeerSettings
+        from pffs.sdk.options import peer_settings_from
 
-        try:
-            settings = PeerSettings(**group_options)
-        except ValidationError as exc:
-            raise BadOptionError(f"bad cache-group option: {settings_error(exc)}") from None
-        group = vfs.join_group(settings, path)
+        group = vfs.join_group(peer_settings_from(group_options), path)
     if vfs.cache.disk is None:  # said as a warning by the cache; here it means nothing could be done
         raise OSError(
             errno.EACCES,

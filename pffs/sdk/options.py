@@ -106,12 +106,16 @@ PEER_OPTIONS = {
 def peer_settings(options: dict[str, Any]) -> PeerSettings | None:
     """Takes the cache-group options out of `options`; None if it names no peers."""
     given = {PEER_OPTIONS[k]: options.pop(k) for k in list(options) if k in PEER_OPTIONS}
-    if not given:
-        return None
+    return peer_settings_from(given, PEER_OPTIONS) if given else None
+
+
+def peer_settings_from(fields: dict[str, Any], names: dict[str, str] | None = None) -> PeerSettings:
+    """PeerSettings of `fields`; a bad value is one BadOptionError naming the option as the user wrote it
+    (`names`: option -> field, where they differ)."""
     try:
-        return PeerSettings(**given)
+        return PeerSettings(**fields)
     except ValidationError as exc:
         message = settings_error(exc)
-        for option, field in PEER_OPTIONS.items():
+        for option, field in (names or {}).items():
             message = message.replace(field, option)
         raise BadOptionError(f"bad cache-group option: {message}") from None
