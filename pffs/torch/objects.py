@@ -4,6 +4,8 @@ pffs filesystem made once per process, so DataLoader workers, forked or spawned,
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import io
 import logging
 import os
@@ -79,6 +81,16 @@ class ObjectSource:
             self._fs, _ = filesystem_for(f"{self._scheme}://", **self._options)
             self._fs_pid = os.getpid()
         return self._fs
+
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """A hash of the listing: each object's path and listed size (-1 for given URLs), in order. A state
+        saved to resume a dataset carries it, so that one saved over other objects is refused."""
+        digest = hashlib.blake2b(digest_size=16)
+        for entry in self.entries:
+            size = entry.info.size if entry.info is not None else -1
+            digest.update(f"{entry.path}\0{size}\n".encode())
+        return digest.hexdigest()
 
     def url(self, entry: Entry) -> str:
         return self.filesystem().vfs.backend.url(entry.path)
