@@ -1,10 +1,13 @@
 # The README's two commands are `make demo` and `make test`; both set everything up first.
-.PHONY: setup demo test lint typecheck pytest bench clean
+.PHONY: setup setup-demo demo test lint typecheck pytest bench clean
 
 setup:
 	@bash scripts/setup.sh
 
-demo: setup
+setup-demo:
+	@bash scripts/setup.sh demo
+
+demo: setup-demo
 	.venv/bin/python -m pffs.demo
 
 lint: setup

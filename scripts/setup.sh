@@ -1,16 +1,24 @@
 #!/usr/bin/env bash
-# Installs everything pffs needs on a fresh Debian machine (run as root), and is safe to run again:
-# system packages with apt-get (only those missing), then a project virtualenv in .venv with pffs
-# installed editable plus its dev tools, at the exact versions of constraints.txt (pip's resolver alone
-# can backtrack for many minutes over aiobotocore). Re-runs skip the pip step unless either file changed.
+# Installs what pffs needs on a fresh Debian machine (run as root), and is safe to run again: system
+# packages with apt-get (only those missing), then a project virtualenv in .venv with pffs installed
+# editable, at the exact versions of constraints.txt (pip's resolver alone can backtrack for many minutes
+# over aiobotocore). Re-runs skip the pip step unless either file changed.
+#
+#   scripts/setup.sh demo   only what `make demo` uses: FUSE's packages and pffs with the S3 server
+#   scripts/setup.sh        everything `make test` uses: the dev tools (torch among them: several GB), the
+#                           peers measured against, Go-built Kubernetes and CSI tools, Hadoop, the CSI image
 set -euo pipefail
 cd "$(dirname "$0")/.."
+PART=${1:-all}
+case "$PART" in demo | all) ;; *) echo "usage: scripts/setup.sh [demo]" >&2; exit 2 ;; esac
 # One setup at a time per checkout: a second one waits, then finds everything in place.
 exec 9>.setup.lock
 flock 9
 
-APT_PACKAGES=(fuse3 libfuse3-dev pkg-config gcc python3-dev python3-venv fio s3fs rsync containerd runc busybox-static
-    openjdk-17-jdk-headless maven)
+APT_PACKAGES=(fuse3 libfuse3-dev pkg-config gcc python3-dev python3-venv)
+if [ "$PART" = all ]; then
+    APT_PACKAGES+=(fio s3fs rsync containerd runc busybox-static openjdk-17-jdk-headless maven)
+fi
 missing=()
 for pkg in "${APT_PACKAGES[@]}"; do
     dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
@@ -28,13 +36,18 @@ if [ ! -x .venv/bin/python ]; then
     "$PYTHON" -m venv .venv
 fi
 
-stamp=.venv/.pffs-installed
+# The dev extra holds the demo's; a stamp per extra says what is installed at these files' versions.
 want=$(cat pyproject.toml constraints.txt | sha256sum | cut -d' ' -f1)
-if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
-    echo "setup: installing Python packages into .venv (pip cache is reused between runs)"
+installed() { [ -f ".venv/.pffs-installed-$1" ] && [ "$(cat ".venv/.pffs-installed-$1")" = "$want" ]; }
+extra=$([ "$PART" = demo ] && echo demo || echo dev)
+if ! installed dev && ! installed "$extra"; then
+    echo "setup: installing Python packages ($extra) into .venv (pip cache is reused between runs)"
     .venv/bin/python -m pip install -q --upgrade pip
-    .venv/bin/python -m pip install -q -c constraints.txt -e '.[dev]'
-    echo "$want" > "$stamp"
+    .venv/bin/python -m pip install -q -c constraints.txt -e ".[$extra]"
+    echo "$want" > ".venv/.pffs-installed-$extra"
+fi
+if [ "$PART" = demo ]; then
+    exit 0
 fi
 
 # Go-built tools for the CSI tests, built once into a cache folder outside the repository (CI's clean
