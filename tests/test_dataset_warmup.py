@@ -156,6 +156,11 @@ class Cluster:
         self.plugins[name] = self.stack.enter_context(plugin)
         return plugin
 
+    def delete_pods(self, names: list[str]) -> None:
+        for name in names:
+            with contextlib.suppress(Exception):
+                self.core.delete_namespaced_pod(name, "default", grace_period_seconds=0)
+
     def schedulable(self, name: str, cpu: str = "4") -> None:
         """Gives a Node the status a kubelet would (room, Ready), creating it if it has no plugin."""
         if name not in {n.metadata.name for n in self.core.list_node().items}:
@@ -475,9 +480,7 @@ def test_a_warmup_of_a_podgroup_waits_for_its_pods_nodes_then_warms_those_only(
         for node in members:
             assert cached_exactly(node.cache_dir, bucket, s3_server, dataset)  # type: ignore[arg-type]
     finally:
-        for name in created:
-            with contextlib.suppress(Exception):
-                cluster.core.delete_namespaced_pod(name, "default", grace_period_seconds=0)
+        cluster.delete_pods(created)
 
 
 def test_a_scheduled_warmup_runs_again_when_its_schedule_fires_and_a_bad_schedule_fails_with_its_field(
@@ -585,9 +588,7 @@ def test_a_warm_before_bind_gang_binds_only_once_its_nodes_report_the_dataset(
         for node in nodes.values():
             assert cached_exactly(node.cache_dir, bucket, s3_server, dataset)  # type: ignore[arg-type]
     finally:
-        for name in names:
-            with contextlib.suppress(Exception):
-                cluster.core.delete_namespaced_pod(name, "default", grace_period_seconds=0)
+        cluster.delete_pods(names)
 
 
 def test_a_warm_before_bind_gang_binds_cold_at_its_deadline_when_a_node_cannot_warm(
@@ -613,6 +614,4 @@ def test_a_warm_before_bind_gang_binds_cold_at_its_deadline_when_a_node_cannot_w
             events[0].message == "deadline of 12 s passed with late-1 not warm: bound cold to late-0, late-1"
         )
     finally:
-        for name in names:
-            with contextlib.suppress(Exception):
-                cluster.core.delete_namespaced_pod(name, "default", grace_period_seconds=0)
+        cluster.delete_pods(names)
