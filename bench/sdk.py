@@ -85,7 +85,9 @@ SEED = 20240601  # the datasets' bytes are the same on every run
 DISK_LABELS = {"ceiling_local_disk": "4MiB reads", "ceiling_local_disk_x8": f"{THREADS}x4MiB preads"}
 # The peer in its own virtualenv (it pins torch), made on first use and reused after.
 PEER = "s3torchconnector"
-PEER_REQUIREMENT = "s3torchconnector==1.5.0"
+# The dcp extra (tenacity) and numpy (torch's gather in a DCP load) for bench/dcp.py, which shares the venv
+PEER_REQUIREMENT = "s3torchconnector[dcp]==1.5.0"
+PEER_EXTRAS = ("numpy",)
 PEER_PACKAGES = ("s3torchconnector", "s3torchconnectorclient", "torch")
 PEER_VENV = Path.home() / ".cache" / "pffs-tools" / "venvs" / PEER
 PEER_INSTALL_TIMEOUT_S = 3600.0
@@ -550,7 +552,7 @@ def install_peer(venv: Path) -> str | None:
     steps = (
         [sys.executable, "-m", "venv", str(venv)],  # from this venv's base interpreter
         [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check",
-         "--no-cache-dir", "--timeout", "60", PEER_REQUIREMENT],
+         "--no-cache-dir", "--timeout", "60", PEER_REQUIREMENT, *PEER_EXTRAS],
     )  # fmt: skip
     for cmd in steps:
         try:

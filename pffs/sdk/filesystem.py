@@ -3,13 +3,16 @@
     fs = fsspec.filesystem("pffs", target="s3://bucket/prefix", endpoint_url=...)   # paths relative to prefix
     fsspec.open("pffs::s3://bucket/key", s3={"endpoint_url": ...})                  # chained, full paths
 
-Reads go through the VFS (metadata TTL, block cache, read-ahead); writes go straight to the backend and
-invalidate what pffs knew of the path. Safe in forked workers (PyTorch DataLoader): everything that belongs
+Reads go through the VFS (metadata TTL, block cache, read-ahead); writes, copies and moves go straight to
+the backend (a copy made by the store where it can: S3 CopyObject) and invalidate what pffs knew of the
+paths they change. Safe in forked workers (PyTorch DataLoader): everything that belongs
 to a process — threads, locks, the s3fs event loop — is made again in the child.
 """
 
 from __future__ import annotations
 
+import posixpath
+from glob import has_magic
 from typing import Any
 
 from fsspec.implementations.chained import ChainedFileSystem
@@ -193,6 +196,47 @@ class PffsFileSystem(ChainedFileSystem):
 
     def _rm(self, path: str) -> None:
         self.rm_file(path)
+
+    # -- copies and moves, inside the backend -------------------------------------------------------------
+    def cp_file(self, path1: str, path2: str, **kwargs: Any) -> None:
+        """Copies one object inside the backend: by the store where it can (S3: CopyObject, the bytes never
+        leave it; a destination already there is replaced whole, never half-written), else read and written
+        again. What pffs knew of the destination is dropped, so its next read sees the copy."""
+        source, target = self._full(path1), self._full(path2)
+        try:
+            self.vfs.backend.copy(source, target, self.vfs.stat(source).size)
+        finally:
+            self.vfs.invalidate(target)
+
+    def mv(
+        self, path1: Any, path2: Any, recursive: bool = False, maxdepth: int | None = None, **kwargs: Any
+    ) -> None:
+        """Moves one object with the backend's own rename (local files, HDFS: atomic) or, on object stores,
+        a copy then a delete of the source (the destination is replaced whole; for a moment both exist).
+        Several objects, a directory or a glob: one by one, as fsspec does. `rename` is this too."""
+        if not (isinstance(path1, str) and isinstance(path2, str)) or recursive or has_magic(path1):
+            super().mv(path1, path2, recursive=recursive, maxdepth=maxdepth, **kwargs)
+            return
+        source = self._full(path1)
+        if self.vfs.stat(source).is_dir:
+            super().mv(path1, path2, recursive=recursive, maxdepth=maxdepth, **kwargs)
+            return
+        target = self._full(path2)
+        if path2.endswith("/") or self._is_dir(target):  # into a directory, under the source's name
+            target = posixpath.join(target, posixpath.basename(source))
+        if target == source:
+            return
+        try:
+            self.vfs.backend.move(source, target)
+        finally:
+            self.vfs.invalidate(source)
+            self.vfs.invalidate(target)
+
+    def _is_dir(self, full: str) -> bool:
+        try:
+            return self.vfs.stat(full).is_dir
+        except FileNotFoundError:
+            return False
 
     def mkdir(self, path: str, create_parents: bool = True, **kwargs: Any) -> None:
         self.vfs.backend.fs.mkdir(self._full(path), create_parents=create_parents, **kwargs)
