@@ -77,6 +77,15 @@ def test_hugging_face_datasets_reads_parquet_through_both_url_forms(
         streaming=True,
     )
     assert _rows(streamed) == _expected(frame)
+    # The one form datasets cannot stream says which form works (datasets alone fails with 'pffs' as a path)
+    with pytest.raises(ValueError, match=r"with streaming=True use data_files='pffs://"):
+        datasets.load_dataset(
+            "parquet",
+            data_files=f"pffs::s3://{prefix}/*.parquet",
+            storage_options={"s3": s3, "pffs": {"cache_dir": str(cache_dir)}},
+            split="train",
+            streaming=True,
+        )
 
 
 def test_pandas_reads_parquet_and_csv_through_pffs(

@@ -20,6 +20,7 @@ from fsspec.spec import AbstractBufferedFile
 
 from pffs.backends.backend import ObjectInfo
 from pffs.backends.urls import open_backend, split_url
+from pffs.sdk.hugging_face import refuse_chained_streaming
 from pffs.sdk.options import (
     CACHE_FIELDS,
     backend_options,
@@ -57,6 +58,7 @@ class PffsFileSystem(ChainedFileSystem):
         fo: str | None = None,
         **options: Any,
     ) -> None:
+        self.chained_url = fo is not None  # made for "pffs::s3://..." (fsspec passes the inner URL as fo)
         target_options, target_protocol = _unwrap_chained(target_options, target_protocol)
         cache_opts = {k: options.pop(k) for k in list(options) if k in CACHE_FIELDS}
         group = peer_settings(options)
@@ -120,6 +122,11 @@ class PffsFileSystem(ChainedFileSystem):
     def ls(self, path: str, detail: bool = True, **kwargs: Any) -> list[Any]:
         entries = [self._entry(e) for e in self.vfs.list_dir(self._full(path))]
         return entries if detail else [e["name"] for e in entries]
+
+    def glob(self, path: str, maxdepth: int | None = None, **kwargs: Any) -> Any:
+        if self.chained_url:  # the one caller that cannot use this form is told which one it can
+            refuse_chained_streaming()
+        return super().glob(path, maxdepth=maxdepth, **kwargs)
 
     def find(
         self,
