@@ -10,6 +10,8 @@ from __future__ import annotations
 import logging
 import sqlite3
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from functools import partial
 from pathlib import Path
 
 from .aligned import aligned_copy
@@ -103,42 +105,76 @@ class BlockCache:
         return part
 
     def get_consecutive(
-        self, keys: Sequence[str], lengths: Sequence[int], fetch: Callable[[int, int], Block]
+        self,
+        keys: Sequence[str],
+        lengths: Sequence[int],
+        fetch: Callable[[int, int], Block],
+        found: Sequence[Block | None] | None = None,
     ) -> list[Block]:
         """Blocks that lie one after another in their source (the small pieces of a random read): each
-        from memory or disk; the missing ones fetched together, one `fetch(i, j)` (the bytes of keys[i:j],
-        in order) per run of consecutive missing keys, and stored under their own keys. A hit or a miss
-        is counted per key. No single-flight here: two threads missing the same piece both fetch it (the
-        same bytes, a small piece), which keeps a run one request."""
-        found: list[Block | None] = []
-        for key, length in zip(keys, lengths, strict=True):
-            data = self._from_memory(key)
-            if data is None:
-                data = self._from_disk(key, length)
-                if data is not None:
-                    self.memory.put(key, data)
-            found.append(data)
-        i = 0
-        while i < len(keys):
-            if found[i] is not None:
-                i += 1
+        from `found` (what the caller already holds, None where it holds nothing), memory or disk; the
+        missing ones fetched together, one `fetch(i, j)` (the bytes of keys[i:j], in order) per run of
+        consecutive missing keys, and stored under their own keys. A hit or a miss is counted per key.
+        Single-flight per key: a key another thread is fetching is waited for, not fetched again (runs
+        are cut around it); a thread fetches what it leads before it waits for others, so none waits in
+        a circle."""
+        blocks: list[Block | None] = list(found) if found is not None else [None] * len(keys)
+        for n, (key, length) in enumerate(zip(keys, lengths, strict=True)):
+            if blocks[n] is None:
+                blocks[n] = self._cached(key, length)
+        led: dict[int, Future[Block]] = {}
+        followed: dict[int, Future[Block]] = {}
+        for n, key in enumerate(keys):
+            if blocks[n] is not None:
                 continue
-            j = i
-            while j < len(keys) and found[j] is None:
-                j += 1
-            run = memoryview(fetch(i, j))
-            offset = 0
-            for k in range(i, j):
-                piece = run[offset : offset + lengths[k]]
-                if j - i > 1:
-                    # Each its own (page-aligned) copy: a slice would keep the whole run alive after
-                    # the memory tier evicted the rest of it, unaccounted.
-                    piece = aligned_copy(piece)
-                found[k] = piece
-                offset += lengths[k]
-                self._keep_fetched(keys[k], piece)
-            i = j
-        return [data for data in found if data is not None]
+            future, leader = self._flight.claim(key)
+            if not leader:
+                followed[n] = future
+                continue
+            data = self._cached(key, lengths[n])  # fetched by another thread since we looked
+            if data is not None:
+                self._flight.settle(key, future, data)
+                blocks[n] = data
+            else:
+                led[n] = future
+        try:
+            i = 0
+            while i < len(keys):
+                if i not in led:
+                    i += 1
+                    continue
+                j = i
+                while j < len(keys) and j in led:
+                    j += 1
+                run = memoryview(fetch(i, j))
+                offset = 0
+                for k in range(i, j):
+                    piece = run[offset : offset + lengths[k]]
+                    if j - i > 1:
+                        # Each its own (page-aligned) copy: a slice would keep the whole run alive after
+                        # the memory tier evicted the rest of it, unaccounted.
+                        piece = aligned_copy(piece)
+                    blocks[k] = piece
+                    offset += lengths[k]
+                    future = led.pop(k)
+                    self._keep_fetched(keys[k], piece, publish=partial(self._flight.settle, keys[k], future))
+                i = j
+        except BaseException as exc:
+            for k, future in led.items():
+                self._flight.settle(keys[k], future, error=exc)
+            raise
+        for n, future in followed.items():
+            blocks[n] = future.result()  # fetched by another thread: neither a hit nor a miss here
+        return [data for data in blocks if data is not None]
+
+    def _cached(self, key: str, length: int) -> Block | None:
+        """A block from memory or disk (then kept in memory too), or None."""
+        data = self._from_memory(key)
+        if data is None:
+            data = self._from_disk(key, length)
+            if data is not None:
+                self.memory.put(key, data)
+        return data
 
     def ensure_on_disk(self, key: str, fetch: Callable[[], Block]) -> bool:
         """For warm-up: stores the block on disk if it is not there yet. Returns True if it was fetched."""

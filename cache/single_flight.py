@@ -24,6 +24,28 @@ class SingleFlight(Generic[T]):
         self._lock = threading.Lock()
         self._in_flight = {}
 
+    def claim(self, key: str) -> tuple[Future[T], bool]:
+        """The future of `key`'s fetch, and whether the caller leads it (then it must `settle` it)."""
+        with self._lock:
+            future = self._in_flight.get(key)
+            if future is not None:
+                return future, False
+            future = self._in_flight[key] = Future()
+            return future, True
+
+    def settle(
+        self, key: str, future: Future[T], result: T | None = None, error: BaseException | None = None
+    ) -> None:
+        """Ends a fetch the caller leads (see claim): its waiters get `result`, or `error` if given."""
+        with self._lock:
+            if self._in_flight.get(key) is future:
+                del self._in_flight[key]
+        if not future.done():
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(result)  # type: ignore[arg-type]
+
     def run(self, key: str, fn: Callable[[Callable[[T], None]], T]) -> T:
         """Runs fn(publish) once per key at a time; concurrent callers get the published or returned value."""
         with self._lock:

@@ -244,6 +244,6 @@ def test_the_cli_parses_without_importing_what_only_commands_need() -> None:
             [sys.executable, "-c", probe], capture_output=True, text=True, check=True
         ).stdout.split()
     )
-    heavy = {"fsspec", "s3fs", "botocore", "aiobotocore", "aiohttp", "pydantic", "grpc", "kubernetes", "numpy",
-             "pyarrow", "torch", "tqdm", "diskcache", "pyfuse3", "trio", "hdfs_native"}  # fmt: skip
+    heavy = {"fsspec", "s3fs", "botocore", "aiobotocore", "aiohttp", "pydantic", "grpc", "kubernetes",
+             "numpy", "pyarrow", "torch", "tqdm", "diskcache", "pyfuse3", "trio", "hdfs_native"}  # fmt: skip
     assert not loaded & heavy, sorted(loaded & heavy)

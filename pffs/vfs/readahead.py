@@ -17,6 +17,11 @@ from pffs.cache import Block
 from pffs.vfs.byte_ranges import covered_bytes
 
 MIN_RUN = 256 << 10
+# After a seek, reads are a stream again only past this many bytes read one after another (issue 34): FUSE
+# sends one random read as several requests (up to 1 MiB each, and an unaligned 1 MiB read as 1 MiB and one
+# page), and two random reads may land close together; either looked like a stream past MIN_RUN, and
+# fetched whole blocks and read ahead for a read that wanted a fraction of them.
+RESUME_RUN = 4 << 20
 DENSE_FRACTION = 2 / 3
 RECENT_READS = 8  # the reads whose coverage decides
 
@@ -59,8 +64,9 @@ class ReadAheadState:
         self.slack_bytes = slack_bytes
         self.window_blocks = 0
         self.next_offset = 0
-        # Bytes read one after the other since the last seek. Read-ahead starts only past MIN_RUN: the
-        # kernel splits some random 128 KiB reads in two requests, which would look sequential.
+        # Bytes read one after the other since the last seek. Read-ahead starts only past MIN_RUN (from
+        # the start) or RESUME_RUN (after a seek): the kernel splits some random reads in several requests,
+        # which would look sequential.
         self.run_bytes = 0
         self.run_start = 0  # where the run of reads following one another began
         self.recent: deque[tuple[int, int]] = deque(maxlen=RECENT_READS)  # [offset, end) of the last reads
@@ -99,8 +105,8 @@ class ReadAheadState:
             self.recent.append((offset, end))
             self.run_bytes += end - offset
             self.next_offset = max(self.next_offset, end)
-            # After a seek, a stream again only past MIN_RUN: two random reads may land close together.
-            self.streaming = self._dense() and (self.run_bytes >= MIN_RUN or self.run_start == 0)
+            # After a seek, a stream again only past RESUME_RUN: a random read may come in several requests.
+            self.streaming = self._dense() and (self.run_bytes >= RESUME_RUN or self.run_start == 0)
         else:
             self.run_start = offset
             self.run_bytes = end - offset

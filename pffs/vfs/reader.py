@@ -3,8 +3,8 @@
 A read of [offset, offset+length) is split into blocks; each block comes from memory, disk or one ranged GET
 (see pffs.cache). Blocks of one large read are fetched in parallel; blocks beyond it are prefetched when the
 reader is sequential. A random read takes from a block only the part it wants: from the block if that is
-cached, else from the block's 64 KiB pieces (see pieces.py). Every key carries the object's identity, so
-bytes of two versions never mix.
+cached, else from pieces of 64 KiB and of a page (see pieces.py). Every key carries the object's identity,
+so bytes of two versions never mix.
 """
 
 from __future__ import annotations
