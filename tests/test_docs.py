@@ -1,0 +1,146 @@
+"""The documentation site builds, its generated reference is whole, and the SDK page's examples run.
+
+`mkdocs build --strict` fails on any warning: a broken link or anchor, a page missing from the nav, a missing
+image. The reference pages are made from the code by docs/gen_reference.py during that build.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import s3fs
+
+from pffs.cli.main import build_parser
+from pffs.testing.s3_server import SeaweedS3
+
+ROOT = Path(__file__).resolve().parent.parent
+MKDOCS = Path(sys.executable).parent / "mkdocs"
+SDK_PAGE = ROOT / "docs/getting-started/sdk.md"
+
+# The names the SDK page's examples use, swapped for the test server's.
+ENDPOINT = "http://127.0.0.1:8333"
+BUCKET = "datasets"
+CACHE_DIR = "/mnt/nvme/pffs"
+
+QUIET = {"NO_MKDOCS_2_WARNING": "1", "DISABLE_MKDOCS_2_WARNING": "true"}
+
+
+def commands(parser, prefix: str = "pffs"):
+    for action in parser._actions:
+        if hasattr(action, "choices") and isinstance(action.choices, dict):
+            for name, sub in action.choices.items():
+                yield f"{prefix} {name}"
+                yield from commands(sub, f"{prefix} {name}")
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    if not MKDOCS.exists():
+        pytest.fail("mkdocs is not installed in the virtualenv: pip install -c constraints.txt -e '.[dev]'")
+    out = tmp_path_factory.mktemp("site")
+    done = subprocess.run(
+        [str(MKDOCS), "build", "--strict", "--site-dir", str(out)],
+        cwd=ROOT,
+        env={**os.environ, **QUIET},
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_site_builds_strict_with_generated_reference(site: Path) -> None:
+    for page in ("reference/cli", "reference/volume-attributes", "reference/helm-values", "reference/names"):
+        assert (site / page / "index.html").is_file(), page
+    cli = (site / "reference/cli/index.html").read_text()
+    missing = [c for c in commands(build_parser()) if f'id="{c.replace(" ", "-")}"' not in cli]
+    assert not missing, f"the CLI reference lacks {missing}"
+    assert len(list(commands(build_parser()))) >= 10
+    for chart in (ROOT / "bench/results").glob("*.png"):
+        assert (site / "assets/bench" / chart.name).is_file(), chart.name
+
+
+@pytest.mark.timeout(300)
+def test_reference_names_every_volume_attribute_and_helm_value(site: Path) -> None:
+    from pffs.csi.attributes import VolumeAttributes
+
+    attributes = (site / "reference/volume-attributes/index.html").read_text()
+    for name, field in VolumeAttributes.model_fields.items():
+        assert f"<code>{field.alias or name}</code>" in attributes, name
+    values = (site / "reference/helm-values/index.html").read_text()
+    for key in ("image.registry", "node.kubeletPath", "cacheGroup.enabled", "warmups.enabled"):
+        assert f"<code>{key}</code>" in values, key
+
+
+def python_blocks(page: Path) -> list[tuple[int, str]]:
+    """(line, source) of every ```python block of a Markdown page."""
+    blocks, current, start = [], None, 0
+    for number, line in enumerate(page.read_text().splitlines(), 1):
+        if current is None and line.strip() == "```python":
+            current, start = [], number + 1
+        elif current is not None and line.strip() == "```":
+            blocks.append((start, "\n".join(current)))
+            current = None
+        elif current is not None:
+            current.append(line)
+    return blocks
+
+
+# Runs the blocks in one interpreter, in order, as a reader would paste them; a failure names its block.
+RUNNER = """
+import json, sys, traceback
+blocks = json.load(open(sys.argv[1]))
+scope = {"__name__": "__main__"}
+for line, source in blocks:
+    try:
+        exec(compile(source, f"sdk.md, block at line {line}", "exec"), scope)
+    except BaseException:
+        traceback.print_exc()
+        sys.exit(f"the block at line {line} of docs/getting-started/sdk.md failed")
+"""
+
+
+@pytest.mark.s3
+@pytest.mark.timeout(300)
+def test_sdk_page_examples_run(
+    s3_server: SeaweedS3, raw_s3: s3fs.S3FileSystem, bucket: str, cache_dir: Path, tmp_path: Path
+) -> None:
+    blocks = python_blocks(SDK_PAGE)
+    assert len(blocks) >= 3
+    raw_s3.pipe(f"{bucket}/imagenet/labels.csv", b"n01440764,tench\nn01443537,goldfish\n" * 100)
+    for i in range(4):
+        raw_s3.pipe(f"{bucket}/imagenet/train/shard-{i:04d}.tar", bytes([i]) * (700_000 + i * 1000))
+
+    def local(source: str) -> str:
+        source = source.replace(ENDPOINT, s3_server.endpoint_url).replace(CACHE_DIR, str(cache_dir))
+        return re.sub(rf"s3://{BUCKET}/", f"s3://{bucket}/", source)
+
+    for _, source in blocks:
+        assert ENDPOINT in source or "s3://" not in source or f"s3://{BUCKET}/" in source
+    data = tmp_path / "blocks.json"
+    data.write_text(json.dumps([(line, local(source)) for line, source in blocks]))
+    env = {
+        **os.environ,
+        "AWS_ACCESS_KEY_ID": s3_server.access_key,
+        "AWS_SECRET_ACCESS_KEY": s3_server.secret_key,
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "PFFS_CACHE_DIR": str(cache_dir),
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", RUNNER, str(data)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert raw_s3.exists(f"{bucket}/runs/exp1/step-1000.pt")
