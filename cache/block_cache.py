@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import sqlite3
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from functools import partial
@@ -26,6 +27,8 @@ log = logging.getLogger(__name__)
 
 Block = bytes | memoryview
 STATS_FILE = "stats.sqlite"
+MAX_FETCHED_AHEAD = 65536  # keys remembered as looked up ahead, to count their reader's read rightly
+FETCHED_AHEAD, FOUND_AHEAD = "fetched", "found"
 
 
 class BlockCache:
@@ -63,12 +66,17 @@ class BlockCache:
             self.stats = CacheStats(None)
         self.memory = MemoryTier(memory_capacity_bytes, self.stats)
         self._flight: SingleFlight[Block] = SingleFlight()
+        # Keys looked up ahead of their reader and not read since (insertion order): how (FETCHED_AHEAD...)
+        self._fetched_ahead: dict[str, str] = {}
+        self._ahead_lock = threading.Lock()
         after_fork_in_child(self._reset_after_fork)
 
     def _reset_after_fork(self) -> None:
         self.memory.reset_after_fork()
         self.stats.reset_after_fork()
         self._flight.reset_after_fork()
+        self._fetched_ahead = {}  # the parent's fetches are the parent's
+        self._ahead_lock = threading.Lock()
 
     def get(
         self,
@@ -77,15 +85,26 @@ class BlockCache:
         *,
         keep_in_memory: bool = True,
         length: int | None = None,
+        ahead: bool = False,
     ) -> Block:
         """The block `key`, from memory, disk or `fetch()`. `length`, if the caller knows it, lets the disk
-        tier read the block file in one call (a block of another length is corrupt)."""
-        data = self._from_memory(key)
+        tier read the block file in one call (a block of another length is corrupt). `ahead`: asked for
+        ahead of its reader (read-ahead, a directory's next files): finding it cached is its reader's hit
+        (counted now, not again when the reader gets it), fetching it is a prefetch, not a miss, and the
+        read that then finds it is a prefetch hit, not a hit. So the hit ratio says what was in the cache
+        before this run wanted it: a cold epoch shows 0 however much was fetched ahead."""
+        data = self._from_memory(key, ahead=ahead)
         if data is not None:
             return data
-        return self._flight.run(
-            key, lambda publish: self._load(key, fetch, keep_in_memory, publish, length, False)
+        data = self._flight.run(
+            key, lambda publish: self._load(key, fetch, keep_in_memory, publish, length, False, ahead)
         )
+        if not ahead:  # a reader that waited on a fetch ahead of it (its single flight's follower)
+            with self._ahead_lock:
+                fetched_ahead = self._fetched_ahead.pop(key, None) == FETCHED_AHEAD
+            if fetched_ahead:
+                self.stats.add("prefetch_hits")
+        return data
 
     def get_range_if_cached(self, key: str, start: int, end: int) -> Block | None:
         """Bytes [start, end) of a cached block, from memory or from a part of its disk file (not loaded
@@ -93,15 +112,13 @@ class BlockCache:
         is in neither tier."""
         data = self.memory.get(key)
         if data is not None:
-            self.stats.add("memory_hits")
-            self.stats.add("bytes_from_memory", end - start)
+            self.count_hit("memory", key, end - start)
             return memoryview(data)[start:end]
         if self.disk is None:
             return None
         part = self.disk.get(key, start, end)
         if part is not None:
-            self.stats.add("disk_hits")
-            self.stats.add("bytes_from_disk", len(part))
+            self.count_hit("disk", key, len(part))
         return part
 
     def get_consecutive(
@@ -192,15 +209,17 @@ class BlockCache:
         publish: Callable[[Block], None],
         length: int | None,
         wait_for_disk: bool,
+        ahead: bool = False,
     ) -> Block:
-        data = self._from_disk(key, length)
+        data = self._from_disk(key, length, ahead=ahead)
         if data is None:
             release = self.locks.acquire(key) if self.locks is not None else None
             try:
                 # Another process may have fetched it while we waited for the lock.
-                data = self._from_disk(key, length) if release is not None else None
+                data = self._from_disk(key, length, ahead=ahead) if release is not None else None
                 if data is None:
-                    data = self._fetch(key, fetch, keep_in_memory, publish, release, wait_for_disk)
+                    data = fetch()
+                    self._keep_fetched(key, data, keep_in_memory, publish, release, wait_for_disk, ahead)
                     release = None  # the disk writer releases it
                     return data
             finally:
@@ -210,36 +229,45 @@ class BlockCache:
             self.memory.put(key, data)
         return data
 
-    def _from_memory(self, key: str) -> Block | None:
+    def _from_memory(self, key: str, ahead: bool = False) -> Block | None:
         data = self.memory.get(key)
         if data is not None:
-            self.stats.add("memory_hits")
-            self.stats.add("bytes_from_memory", len(data))
+            self.count_hit("memory", key, len(data), ahead)
         return data
 
-    def _from_disk(self, key: str, length: int | None) -> Block | None:
+    def _from_disk(self, key: str, length: int | None, ahead: bool = False) -> Block | None:
         if self.disk is None:
             return None
         data = self.disk.get(key, length=length)
         if data is not None:
-            self.stats.add("disk_hits")
-            self.stats.add("bytes_from_disk", len(data))
+            self.count_hit("disk", key, len(data), ahead)
         return data
 
-    def _fetch(
-        self,
-        key: str,
-        fetch: Callable[[], Block],
-        keep_in_memory: bool,
-        publish: Callable[[Block], None],
-        release_lock: Callable[[], None] | None,
-        wait_for_disk: bool,
-    ) -> Block:
-        """Fetches the block, hands it to the readers, and has it written to disk; the cross-process lock
-        is released once the block is on disk, so other processes find it there."""
-        data = fetch()
-        self._keep_fetched(key, data, keep_in_memory, publish, release_lock, wait_for_disk)
-        return data
+    def count_hit(self, tier: str, key: str, size: int, ahead: bool = False) -> None:
+        """A block found in `tier`. For a reader: a hit, a prefetch hit if this process fetched it ahead of
+        the reader, or nothing if a look ahead found it cached (and counted the hit then). For a look
+        ahead: the hit of the reader to come."""
+        with self._ahead_lock:
+            if ahead:
+                self._remember_ahead(key, FOUND_AHEAD)
+                earlier = None
+            else:
+                earlier = self._fetched_ahead.pop(key, None)
+        if earlier == FOUND_AHEAD:
+            return
+        self.stats.add("prefetch_hits" if earlier == FETCHED_AHEAD else f"{tier}_hits")
+        self.stats.add(f"bytes_from_{tier}", size)
+
+    def forget_ahead(self, key: str) -> None:
+        """The reader took the block from the look ahead itself (a read-ahead future): nothing to count."""
+        with self._ahead_lock:
+            self._fetched_ahead.pop(key, None)
+
+    def _remember_ahead(self, key: str, how: str) -> None:
+        self._fetched_ahead.pop(key, None)  # to the end: the oldest are forgotten first
+        self._fetched_ahead[key] = how
+        while len(self._fetched_ahead) > MAX_FETCHED_AHEAD:  # never read: forgotten
+            self._fetched_ahead.pop(next(iter(self._fetched_ahead)))
 
     def _keep_fetched(
         self,
@@ -249,10 +277,17 @@ class BlockCache:
         publish: Callable[[Block], None] | None = None,
         release_lock: Callable[[], None] | None = None,
         wait_for_disk: bool = False,
+        ahead: bool = False,
     ) -> None:
-        """A block just fetched: counted as a miss, kept in memory, handed to the readers waiting on it,
-        and written to disk (the cross-process lock, if held, released once it is there)."""
-        self.stats.add("misses")
+        """A block just fetched: counted as a miss (a prefetch if fetched ahead of its reader), kept in
+        memory, handed to the readers waiting on it, and written to disk (the cross-process lock, if held,
+        released once it is there)."""
+        if ahead:
+            self.stats.add("prefetches")
+            with self._ahead_lock:
+                self._remember_ahead(key, FETCHED_AHEAD)
+        else:
+            self.stats.add("misses")
         self.stats.add("bytes_fetched", len(data))
         if keep_in_memory:
             self.memory.put(key, data)

@@ -44,6 +44,8 @@ COUNTERS = (
         for kind in ("get", "head", "list", "put", "delete", "copy")
         for what in ("requests", "errors", "not_found")
     ),
+    "prefetches",  # blocks fetched ahead of their reader (read-ahead, a directory's next files)
+    "prefetch_hits",  # reads that found a block fetched ahead for them (not counted as hits)
 )  # new counters go at the end: a counts file written by an older version reads as zeros past its end
 LIVE_FOLDER = "stats.live"  # beside stats.sqlite
 SUFFIX = ".counts"

@@ -71,7 +71,7 @@ def test_cat_warmup_and_stats_against_s3(
     # the backend requests of every process that read through this cache: one GET per block fetched
     assert report["backend_requests"]["get"] == {"requests": blocks, "errors": 0, "not_found": 0}
     table = run("stats", *common).stdout.decode()
-    assert "hit ratio" in table and "misses (backend fetches)" in table
+    assert "hit ratio" in table and "misses (fetched for a waiting reader)" in table
 
     assert run("cache", "gc", "--verify", *common).returncode == 0
     assert "removed" in run("cache", "clear", *common).stdout.decode()

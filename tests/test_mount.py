@@ -219,13 +219,24 @@ def test_small_files_of_a_directory_being_read_are_fetched_ahead(
         for name in names:
             assert sha256((mount.path / "epoch" / name).read_bytes()) == sha256(files[name]), name
         stats = mount.stats()
+        cold = json.loads(pffs("stats", str(mount.path), "--json").stdout)["cache"]
+        drop_page_cache()
+        for name in names:  # a second epoch: everything was in the cache before it asked
+            assert sha256((mount.path / "epoch" / name).read_bytes()) == sha256(files[name]), name
+        warm = json.loads(pffs("stats", str(mount.path), "--json").stdout)["cache"]
     assert stats["backend_requests"]["get"]["requests"] == len(files)  # each file fetched once, either way
+    # A cold epoch has a hit ratio of 0, however much was fetched ahead of its reads
+    assert cold["hit_ratio"] == 0.0 and cold["memory_hits"] + cold["disk_hits"] == 0, json.dumps(cold)
     if prefetch:
         assert stats["files_prefetched"] > 50
-        assert stats["cache"]["memory_hits"] > 50  # opened after being fetched ahead: served from memory
+        assert cold["prefetches"] > 50 and cold["prefetch_hits"] > 50  # fetched ahead, then read from memory
+        assert cold["misses"] + cold["prefetches"] == len(files)
     else:
         assert stats["files_prefetched"] == 0
-        assert stats["cache"]["memory_hits"] == 0
+        assert cold["prefetches"] == cold["prefetch_hits"] == 0 and cold["misses"] == len(files)
+    hits = warm["memory_hits"] + warm["disk_hits"]
+    assert hits == len(files) and warm["misses"] == cold["misses"], warm  # the warm epoch: all hits
+    assert warm["hit_ratio"] == round(hits / (hits + warm["misses"] + warm["prefetch_hits"]), 4)
 
 
 # Writes

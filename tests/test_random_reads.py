@@ -149,7 +149,8 @@ def test_a_sequential_read_still_reads_ahead_in_whole_blocks(
     blocks = -(-SIZE // MiB)
     assert fs.cache_stats()["bytes_fetched"] == SIZE  # each byte once
     assert gets(fs) == blocks  # in whole blocks: one GET per block, none for pieces
-    assert fs.cache_stats()["misses"] == blocks
+    stats = fs.cache_stats()
+    assert stats["misses"] + stats["prefetches"] == blocks  # fetched for the reader, or ahead of it
 
 
 def test_a_stream_after_a_seek_is_a_stream_again_past_a_few_mib(

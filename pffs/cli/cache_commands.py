@@ -70,11 +70,12 @@ def collect_stats(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _with_hit_ratio(counters: dict[str, Any]) -> dict[str, Any]:
-    """The counters and their hit ratio: reads served from memory or disk over all block reads (None
-    before any read)."""
+    """The counters and their hit ratio: block reads served by what was cached before anything of this
+    run asked for it, over all block reads (None before any). A block fetched ahead of its reader is a
+    prefetch (a backend fetch), and the read that finds it a prefetch hit, not a hit: a cold epoch shows 0."""
     hits = counters["memory_hits"] + counters["disk_hits"]
-    lookups = hits + counters["misses"]
-    return {**counters, "hit_ratio": round(hits / lookups, 4) if lookups else None}
+    reads = hits + counters["misses"] + counters.get("prefetch_hits", 0)
+    return {**counters, "hit_ratio": round(hits / reads, 4) if reads else None}
 
 
 def stats(args: argparse.Namespace) -> int:
@@ -95,7 +96,12 @@ def stats(args: argparse.Namespace) -> int:
         ("hit ratio", "-" if ratio is None else f"{ratio:.1%}"),
         ("memory hits", f"{cache['memory_hits']:,}  ({format_size(cache['bytes_from_memory'])})"),
         ("disk hits", f"{cache['disk_hits']:,}  ({format_size(cache['bytes_from_disk'])})"),
-        ("misses (backend fetches)", f"{cache['misses']:,}  ({format_size(cache['bytes_fetched'])})"),
+        ("misses (fetched for a waiting reader)", f"{cache['misses']:,}"),
+        (
+            "prefetches / their reads",
+            f"{cache.get('prefetches', 0):,} / {cache.get('prefetch_hits', 0):,}",
+        ),
+        ("bytes fetched from the backend", format_size(cache["bytes_fetched"])),
         ("evictions memory / disk", f"{cache['memory_evictions']:,} / {cache['disk_evictions']:,}"),
         (
             "disk used",

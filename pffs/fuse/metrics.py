@@ -12,7 +12,9 @@ from prometheus_client.registry import Collector, CollectorRegistry
 CACHE_COUNTERS = {
     "memory_hits": "block reads served from the memory tier",
     "disk_hits": "block reads served from the disk tier",
-    "misses": "blocks fetched from the backend",
+    "misses": "blocks fetched from the backend for a reader waiting on them",
+    "prefetches": "blocks fetched from the backend ahead of their reader",
+    "prefetch_hits": "block reads served by a block fetched ahead for them",
     "bytes_from_memory": "bytes served from the memory tier",
     "bytes_from_disk": "bytes served from the disk tier",
     "bytes_fetched": "bytes fetched from the backend",

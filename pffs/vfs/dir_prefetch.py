@@ -116,7 +116,7 @@ class DirectoryPrefetcher:
                         in_flight.release()
                         continue
                     scan.fetched += 1
-                future: Future[object] = self.reader.pool.submit(self.reader.block, info, 0)
+                future: Future[object] = self.reader.pool.submit(self.reader.block, info, 0, ahead=True)
                 future.add_done_callback(lambda _: in_flight.release())
                 self.files_prefetched += 1
             else:

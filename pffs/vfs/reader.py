@@ -74,10 +74,17 @@ class ObjectReader:
         return start, min(start + self.block_size, info.size)
 
     def block(
-        self, info: ObjectInfo, index: int, keep_in_memory: bool = True, *, ask_peers: bool = True
+        self,
+        info: ObjectInfo,
+        index: int,
+        keep_in_memory: bool = True,
+        *,
+        ask_peers: bool = True,
+        ahead: bool = False,
     ) -> Block:
         """One block, from memory, disk, its owner in the cache group (unless `ask_peers` is False: a
-        member asking this process, which owns it) or the backend."""
+        member asking this process, which owns it) or the backend; `ahead`: for a reader yet to come
+        (counted as a prefetch, see BlockCache.get)."""
         start, end = self.block_range(info, index)
         key = self.key(info, index)
         return self.cache.get(
@@ -85,6 +92,7 @@ class ObjectReader:
             lambda: self._fetch(info, start, end, key if ask_peers else None),
             length=end - start,
             keep_in_memory=keep_in_memory,
+            ahead=ahead,
         )
 
     def _fetch(self, info: ObjectInfo, start: int, end: int, key: str | None = None) -> Block:
@@ -122,6 +130,8 @@ class ObjectReader:
                 ready = state.take(first, last)
                 self._read_ahead(info, state, offset, end, last)
                 random_access = state.random
+            for index in ready:  # fetched (or found) ahead for this read: counted then
+                self.cache.forget_ahead(self.key(info, index))
         if random_access and not ready:
             data = self._read_sparse(info, offset, end, first, last)
             return data if as_view or isinstance(data, bytes) else bytes(data)
@@ -181,7 +191,7 @@ class ObjectReader:
             return b""
         first, last = offset // self.block_size, (end - 1) // self.block_size
         blocks: list[Block] = []
-        from_memory = 0
+        from_memory: list[tuple[str, int]] = []  # (key, bytes) read from the memory tier
         with state.lock:
             for index in range(first, last + 1):
                 future = state.pending.get(index)
@@ -189,18 +199,19 @@ class ObjectReader:
                     if not future.done() or future.cancelled() or future.exception() is not None:
                         return None
                     blocks.append(future.result())
+                    self.cache.forget_ahead(self.key(info, index))  # counted when looked up ahead
                     continue
-                block = self.cache.memory.get(self.key(info, index))
+                key = self.key(info, index)
+                block = self.cache.memory.get(key)
                 if block is None:
                     return None
                 blocks.append(block)
                 block_start = index * self.block_size
-                from_memory += min(end, block_start + len(block)) - max(offset, block_start)
+                from_memory.append((key, min(end, block_start + len(block)) - max(offset, block_start)))
             state.take(first, last)
             self._read_ahead(info, state, offset, end, last)
-        if from_memory:
-            self.cache.stats.add("memory_hits")
-            self.cache.stats.add("bytes_from_memory", from_memory)
+        for key, size in from_memory:
+            self.cache.count_hit("memory", key, size)
         return self._assemble(blocks, offset, end, first, last, True)
 
     def _assemble(
@@ -239,7 +250,7 @@ class ObjectReader:
         # Not into the memory tier: a stream read once would push out everything else there (and its
         # blocks would fill fresh memory, which costs more here than the network). The handle holds the
         # block while it reads it; the disk tier keeps it.
-        future = self.pool.submit(self.block, info, index, False)
+        future = self.pool.submit(self.block, info, index, False, ahead=True)
         future.add_done_callback(lambda _: self.budget.release(end - start))
         return future
 
