@@ -247,3 +247,22 @@ def test_the_cli_parses_without_importing_what_only_commands_need() -> None:
     heavy = {"fsspec", "s3fs", "botocore", "aiobotocore", "aiohttp", "pydantic", "grpc", "kubernetes",
              "numpy", "pyarrow", "torch", "tqdm", "diskcache", "pyfuse3", "trio", "hdfs_native"}  # fmt: skip
     assert not loaded & heavy, sorted(loaded & heavy)
+
+
+def test_pffs_cat_imports_no_kubernetes_grpc_or_ml_library(tmp_path: Path) -> None:
+    """`pffs cat` runs once per shard in webdataset's `pipe:` URLs: what it imports is paid every time. It
+    needs the cache and a backend, never the CSI or scheduler stacks or a numeric library."""
+    data = tmp_path / "labels.csv"
+    data.write_bytes(b"label,index\ncat,0\n")
+    probe = (
+        "import sys; from pffs.cli.main import main; code = main(sys.argv[1:]); sys.stdout.flush(); "
+        "print(' '.join(sorted({m.split('.')[0] for m in sys.modules})), file=sys.stderr); sys.exit(code)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe, "--cache-dir", str(tmp_path / "c"), "cat", str(data)],
+        capture_output=True, text=True, timeout=60, check=True,
+    )  # fmt: skip
+    assert done.stdout == "label,index\ncat,0\n"
+    loaded = set(done.stderr.split())
+    heavy = {"grpc", "kubernetes", "pyarrow", "numpy", "torch", "pandas", "pyfuse3", "trio", "tqdm", "s3fs"}
+    assert not loaded & heavy, sorted(loaded & heavy)
