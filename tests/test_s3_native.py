@@ -136,3 +136,68 @@ def test_native_heads_give_what_botocore_gives_attributes_included(
     with pytest.raises(PermissionError) as err:
         bad.stat(f"{bucket}/dir/plain.bin")
     assert "wrong-secret-456" not in str(err.value)
+
+
+def test_a_plain_setup_reads_and_heads_without_making_s3fs_client(
+    raw_s3: Any, bucket: str, s3_server: SeaweedS3
+) -> None:
+    """Keys given and an endpoint on an IP address leave botocore nothing to decide: the native client is
+    set up from the options alone, and a stat and a read of an object make no s3fs client (what keeps
+    `pffs cat` of a cached object from importing botocore and aiohttp)."""
+    data = pattern(300_000, seed=41)
+    raw_s3.pipe(f"{bucket}/p/x y.bin", data)
+    native = _backend(s3_server, True)
+    assert native._plain is not None
+    info = native.stat(f"{bucket}/p/x y.bin")
+    assert sha256(bytes(native.read_range(info, 0, len(data)))) == sha256(data)
+    assert native._fs is None  # no s3fs client was made
+    assert info == _backend(s3_server, False).stat(f"{bucket}/p/x y.bin")  # as s3fs sees it
+    with pytest.raises(FileNotFoundError):
+        native.stat(f"{bucket}/p/missing.bin")
+    snapshot = native.requests.snapshot()
+    assert (snapshot["head"]["requests"], snapshot["get"]["requests"], snapshot["list"]["requests"]) == (
+        2,
+        1,
+        1,
+    )
+    assert snapshot["head"]["not_found"] == 1  # the missing one: its HEAD's 404, then a LIST for a prefix
+    assert native.find(f"{bucket}/p")[0].path == f"{bucket}/p/x y.bin"  # listings: through s3fs, alike
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "env", "keys", "plain"),
+    [
+        ("http://127.0.0.1:8333", {}, True, True),
+        ("http://localhost:8333", {"AWS_REGION": "eu-west-1"}, True, True),
+        ("http://[::1]:8333", {}, True, True),
+        ("http://127.0.0.1:8333", {"AWS_ACCESS_KEY_ID": "A", "AWS_SECRET_ACCESS_KEY": "S"}, False, True),
+        ("http://127.0.0.1:8333", {}, False, False),  # keys from botocore's other sources: its choice
+        ("http://127.0.0.1:8333", {"AWS_PROFILE": "team"}, True, False),
+        ("http://127.0.0.1:8333", {"AWS_CONFIG_FILE": "/etc/aws.conf"}, True, False),
+        ("http://127.0.0.1:8333", {"http_proxy": "http://proxy:3128"}, True, False),
+        ("https://127.0.0.1:8333", {}, True, False),  # TLS settings are botocore's
+        ("http://minio.internal:9000", {}, True, False),  # a host name: botocore picks the addressing
+        (None, {}, True, False),  # AWS itself: regions, redirects
+    ],
+)
+def test_the_plain_native_client_only_where_botocore_would_decide_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    endpoint: str | None,
+    env: dict[str, str],
+    keys: bool,
+    plain: bool,
+) -> None:
+    from pffs.backends.s3_native import plain_getter
+
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.aws/config
+    cleared = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE", "AWS_DEFAULT_PROFILE",
+               "AWS_CONFIG_FILE", "http_proxy", "HTTP_PROXY", "AWS_REGION", "AWS_DEFAULT_REGION")  # fmt: skip
+    for name in cleared:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    creds = Credentials("key", "secret") if keys else None
+    assert (plain_getter(endpoint, None, creds, False, 5.0, 30.0) is not None) == plain
+    if plain:
+        assert plain_getter(endpoint, None, None, True, 5.0, 30.0) is not None  # anonymous

@@ -105,8 +105,11 @@ class Backend:
             return path
         return f"{self.protocol}://{self.authority}{path}"
 
+    def _strip_protocol(self, name: str) -> str:
+        return str(self.fs._strip_protocol(name))
+
     def _to_info(self, raw: dict[str, Any]) -> ObjectInfo:
-        path = self.fs._strip_protocol(raw["name"])
+        path = self._strip_protocol(raw["name"])
         is_dir = raw.get("type") == "directory"
         return ObjectInfo(
             path=path,
@@ -350,7 +353,12 @@ class S3Backend(Backend):
     fetches go through the native client (pffs.backends.s3_native) where it applies, else through s3fs."""
 
     def __init__(
-        self, *args: Any, native_gets: bool = True, head_every_file: bool = False, **kwargs: Any
+        self,
+        *args: Any,
+        native_gets: bool = True,
+        head_every_file: bool = False,
+        plain_native: Callable[[], NativeS3Getter | None] | None = None,
+        **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
         self.native_gets = native_gets
@@ -358,6 +366,29 @@ class S3Backend(Backend):
         self._marked: set[str] = set()  # folders this process has put ATTRIBUTES_MARKER in
         self._native: NativeS3Getter | None = None
         self._native_pid = 0
+        # A native client that needs nothing of s3fs (s3_native.plain_getter), or None: then GETs and HEADs
+        # that need no s3fs (a `pffs cat` of a cached object) import neither botocore nor aiohttp.
+        self._make_plain = plain_native
+        self._plain = plain_native() if plain_native is not None and native_gets else None
+
+    def _attempt(self, fn: Callable[[], T]) -> Callable[[], T]:
+        return fn  # s3fs's calls are async (bounded by their timeout) and the native client's by its own
+
+    def _strip_protocol(self, name: str) -> str:
+        if self._plain is not None and self._fs is None:  # as s3fs strips, without making its client
+            for prefix in ("s3://", "s3a://"):
+                name = name.removeprefix(prefix)
+            return name.rstrip("/")
+        return super()._strip_protocol(name)
+
+    def _split(self, path: str) -> tuple[str, str]:
+        """(bucket, key) of a backend path, without making s3fs's client where the native one does all."""
+        if self._plain is not None and self._fs is None:
+            bucket, _, key = path.removeprefix("s3://").rstrip("/").partition("/")
+            return bucket, key
+        fs: Any = self.fs
+        bucket, key, _ = fs.split_path(path)
+        return bucket, key
 
     def read_range(self, info: ObjectInfo, start: int, end: int, into: memoryview | None = None) -> Block:
         with _gone_is_changed(self.url(info.path)):
@@ -366,8 +397,7 @@ class S3Backend(Backend):
     def _read_range(self, info: ObjectInfo, start: int, end: int, into: memoryview | None) -> Block:
         native = self._native_getter()
         if native is not None:
-            fs: Any = self.fs
-            bucket, key, _ = fs.split_path(info.path)
+            bucket, key = self._split(info.path)
 
             def read_native() -> Block:
                 buffer = into if into is not None else memoryview(bytearray(end - start))
@@ -388,6 +418,14 @@ class S3Backend(Backend):
         if not self.native_gets:
             return None
         if self._native is None or self._native_pid != os.getpid():
+            if self._plain is not None:
+                with self._lock:
+                    if self._native is None or self._native_pid != os.getpid():
+                        # one per process: its connections are this process's
+                        fresh = self._make_plain() if self._native is not None and self._make_plain else None
+                        self._native = fresh or self._plain
+                        self._native_pid = os.getpid()
+                return self._native
             fs = self.fs  # before the lock: making the fs takes it too
             with self._lock:
                 if self._native is None or self._native_pid != os.getpid():
@@ -485,8 +523,7 @@ class S3Backend(Backend):
     def stat(self, path: str) -> ObjectInfo:
         """One HEAD, which also reads the object's POSIX attributes; a prefix is recognised by one LIST
         (its marker object `name/`, where there is one, is HEADed for its attributes)."""
-        fs: Any = self.fs
-        bucket, key, _ = fs.split_path(path)
+        bucket, key = self._split(path)
         if not key:  # a bucket: no attributes of its own
             return dataclasses.replace(super().stat(path), posix=PosixAttributes())
         if _is_attributes_marker(path):
@@ -519,6 +556,8 @@ class S3Backend(Backend):
         alone: a process that only lists and stats, then forks readers (a DataLoader's), keeps s3fs's
         client to itself as before, whose session a forked child otherwise closes on the wrong loop."""
         native = self._native if self.native_gets and self._native_pid == os.getpid() else None
+        if native is None and self._plain is not None and self.native_gets:
+            native = self._native_getter()  # made without s3fs: nothing of it to inherit in a fork
         if native is not None:
             try:
                 return native.head(bucket, key)

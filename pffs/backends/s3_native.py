@@ -442,6 +442,58 @@ def _raise_for(status: int, body: bytes) -> None:
     raise S3ServerError(errno.EIO, f"HTTP {status} {code}: {message}".strip(), status, code)
 
 
+def plain_getter(
+    endpoint_url: str | None,
+    region: str | None,
+    explicit: Credentials | None,
+    anonymous: bool,
+    connect_timeout: float,
+    read_timeout: float,
+) -> NativeS3Getter | None:
+    """A native getter set up without botocore, where the setup leaves nothing for botocore to decide: an
+    http endpoint on an IP address or localhost (path-style addressing, as botocore does there), keys
+    given or in AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (botocore's first choice), and no profile,
+    config file or proxy that could change where a request goes or who signs it. None otherwise: then the
+    getter is made from s3fs's client (native_getter_for), which costs importing botocore and aiohttp."""
+    env = os.environ
+    parts = urlsplit(endpoint_url or "")
+    host = parts.hostname or ""
+    if parts.scheme != "http" or not (host == "localhost" or _is_ip(host)) or parts.path.strip("/"):
+        return None
+    if any(env.get(name) for name in ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_CONFIG_FILE")):
+        return None
+    if os.path.exists(os.path.expanduser("~/.aws/config")):
+        return None
+    if "http" in urllib.request.getproxies() and not urllib.request.proxy_bypass(host):
+        return None
+    creds: Credentials | None = None
+    if not anonymous:
+        creds = explicit
+        if creds is None and env.get("AWS_ACCESS_KEY_ID") and env.get("AWS_SECRET_ACCESS_KEY"):
+            creds = Credentials(
+                env["AWS_ACCESS_KEY_ID"], env["AWS_SECRET_ACCESS_KEY"], env.get("AWS_SESSION_TOKEN") or None
+            )
+        if creds is None:
+            return None  # botocore's other sources (shared file, roles, instance metadata)
+    base = f"{parts.scheme}://{parts.netloc}/"
+    signing_region = region or env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or "us-east-1"
+    return NativeS3Getter(
+        lambda bucket: f"{base}{quote(bucket)}/",
+        signing_region,
+        lambda: creds,
+        connect_timeout,
+        read_timeout,
+    )
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        socket.inet_pton(socket.AF_INET6 if ":" in host else socket.AF_INET, host)
+    except OSError:
+        return False
+    return True
+
+
 def native_getter_for(fs: Any) -> NativeS3Getter:
     """The native getter for the service an s3fs filesystem talks to, set up from its botocore client:
     the same endpoint, addressing style, region, timeouts and credentials."""

@@ -25,6 +25,7 @@ from pffs.backends.errors import BadOptionError, UnknownSchemeError
 from pffs.backends.helper_process import fork_safe_client
 from pffs.backends.options import BackendOptions
 from pffs.backends.retry import RetryPolicy
+from pffs.backends.s3_native import Credentials, NativeS3Getter, plain_getter
 
 ALIASES = {"s3a": "s3", "local": "file"}
 
@@ -53,6 +54,7 @@ def open_backend(url: str, options: BackendOptions | None = None) -> tuple[Backe
             retry,
             native_gets=native,
             head_every_file=options.head_every_file,
+            plain_native=partial(_plain_native, options),
         )
         s3.origin = f"s3 {options.endpoint_url or 'aws'}"
         return s3, rest.strip("/")
@@ -95,6 +97,26 @@ def open_backend(url: str, options: BackendOptions | None = None) -> tuple[Backe
     if protocol != "memory":
         backend.origin = f"{protocol} {backend.authority}"
     return backend, path
+
+
+def _plain_native(options: BackendOptions) -> NativeS3Getter | None:
+    """The native S3 client without s3fs, where the options leave botocore nothing to decide."""
+    if options.profile or options.credentials_file:
+        return None
+    explicit = None
+    if options.access_key_id is not None and options.secret_access_key is not None:
+        token = options.session_token.get_secret_value() if options.session_token is not None else None
+        explicit = Credentials(
+            options.access_key_id.get_secret_value(), options.secret_access_key.get_secret_value(), token
+        )
+    return plain_getter(
+        options.endpoint_url,
+        options.region,
+        explicit,
+        options.anonymous,
+        min(options.connect_timeout_s, options.backend_timeout),
+        min(options.read_timeout_s, options.backend_timeout),
+    )
 
 
 def _make_s3fs(options: BackendOptions) -> fsspec.AbstractFileSystem:
