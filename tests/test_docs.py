@@ -12,6 +12,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import s3fs
@@ -80,20 +81,6 @@ def test_reference_names_every_volume_attribute_and_helm_value(site: Path) -> No
         assert f"<code>{key}</code>" in values, key
 
 
-def python_blocks(page: Path) -> list[tuple[int, str]]:
-    """(line, source) of every ```python block of a Markdown page."""
-    blocks, current, start = [], None, 0
-    for number, line in enumerate(page.read_text().splitlines(), 1):
-        if current is None and line.strip() == "```python":
-            current, start = [], number + 1
-        elif current is not None and line.strip() == "```":
-            blocks.append((start, "\n".join(current)))
-            current = None
-        elif current is not None:
-            current.append(line)
-    return blocks
-
-
 # Runs the blocks in one interpreter, in order, as a reader would paste them; a failure names its block.
 RUNNER = """
 import json, sys, traceback
@@ -113,7 +100,7 @@ for line, source in blocks:
 def test_sdk_page_examples_run(
     s3_server: SeaweedS3, raw_s3: s3fs.S3FileSystem, bucket: str, cache_dir: Path, tmp_path: Path
 ) -> None:
-    blocks = python_blocks(SDK_PAGE)
+    blocks = fenced(SDK_PAGE, "python")
     assert len(blocks) >= 3
     raw_s3.pipe(f"{bucket}/imagenet/labels.csv", b"n01440764,tench\nn01443537,goldfish\n" * 100)
     for i in range(4):
@@ -144,3 +131,91 @@ def test_sdk_page_examples_run(
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert raw_s3.exists(f"{bucket}/runs/exp1/step-1000.pt")
+
+
+def fenced(page: Path, language: str) -> list[tuple[int, str]]:
+    """(line, source) of every ```LANGUAGE block of a Markdown page."""
+    blocks, current, start = [], None, 0
+    for number, line in enumerate(page.read_text().splitlines(), 1):
+        if current is None and line.strip() == f"```{language}":
+            current, start = [], number + 1
+        elif current is not None and line.strip() == "```":
+            blocks.append((start, "\n".join(current)))
+            current = None
+        elif current is not None:
+            current.append(line)
+    return blocks
+
+
+@pytest.mark.kube
+@pytest.mark.timeout(300)
+def test_kubernetes_page_manifests_pass_a_real_api_servers_dry_run(control_plane: Any) -> None:
+    """Every object of the Kubernetes page, as a reader would paste it, is accepted by a real API server
+    (server-side dry run: validation and admission, nothing stored); the Helm command's values render."""
+    import yaml
+    from kubernetes import dynamic
+
+    client = dynamic.DynamicClient(control_plane.api())
+    page = ROOT / "docs/getting-started/kubernetes.md"
+    objects = [obj for _, source in fenced(page, "yaml") for obj in yaml.safe_load_all(source) if obj]
+    assert {o["kind"] for o in objects} >= {
+        "PersistentVolume",
+        "PersistentVolumeClaim",
+        "StorageClass",
+        "Pod",
+    }
+    for obj in objects:
+        resource = client.resources.get(api_version=obj["apiVersion"], kind=obj["kind"])
+        namespace = obj["metadata"].get("namespace") if resource.namespaced else None
+        resource.create(body=obj, namespace=namespace, query_params=[("dryRun", "All")])
+    (_, install), *_ = fenced(page, "sh")
+    helm = " ".join(install.replace("\\\n", " ").split("helm install", 1)[1].split("#")[0].split())
+    name, chart, *flags = helm.split()
+    tools = Path(os.environ.get("PFFS_TOOLS_BIN") or Path.home() / ".cache/pffs-tools/bin")
+    done = subprocess.run(
+        [str(tools / "helm"), "template", name, str(ROOT / chart), *flags], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    assert "registry.example.com" in done.stdout
+
+
+@pytest.mark.s3
+@pytest.mark.timeout(300)
+def test_mount_page_example_runs(
+    s3_server: SeaweedS3, raw_s3: s3fs.S3FileSystem, bucket: str, tmp_path: Path
+) -> None:
+    """The mount page's example, as a reader would paste it: mount, list, stats, unmount (the training
+    program and the HDFS line are the reader's own; the HDFS mount is tested in tests/test_hdfs.py)."""
+    from pffs.testing.s3_server import free_ports
+
+    (line, source), *_ = fenced(ROOT / "docs/getting-started/mount.md", "sh")
+    for i in range(3):
+        raw_s3.pipe(f"{bucket}/imagenet/train/n{i:04d}.JPEG", bytes([i]) * 5000)
+    mountpoint = tmp_path / "imagenet"
+    script = (
+        source.replace(ENDPOINT, s3_server.endpoint_url)
+        .replace("/mnt/imagenet", str(mountpoint))
+        .replace(CACHE_DIR, str(tmp_path / "cache"))
+        .replace("--metrics-port 9100", f"--metrics-port {free_ports(1)[0]}")
+        .replace(f"s3://{BUCKET}/", f"s3://{bucket}/")
+    )
+    kept = [
+        row for row in script.replace("\\\n", " ").splitlines()
+        if row.strip() and not row.startswith(("export AWS_", "python ", "pffs mount hdfs://"))
+    ]  # fmt: skip
+    env = {
+        **os.environ,
+        "AWS_ACCESS_KEY_ID": s3_server.access_key,
+        "AWS_SECRET_ACCESS_KEY": s3_server.secret_key,
+    }
+    try:
+        done = subprocess.run(
+            ["bash", "-euo", "pipefail", "-c", "\n".join(kept)],
+            env={**env, "PATH": f"{Path(sys.executable).parent}:{env['PATH']}"},
+            capture_output=True, text=True, timeout=180,
+        )  # fmt: skip
+    finally:
+        subprocess.run(["fusermount3", "-u", "-z", str(mountpoint)], capture_output=True)
+    assert done.returncode == 0, f"mount.md's block at line {line}:\n{done.stdout}\n{done.stderr}"
+    assert "n0000.JPEG" in done.stdout and "backend requests" in done.stdout
+    assert not os.path.ismount(mountpoint)
