@@ -40,6 +40,7 @@ from typing import Any
 import fsspec
 import numpy as np
 import s3fs
+from sparse_reads import commit  # bench/ is this script's folder: the commit and whether pffs changed
 
 from pffs.config import parse_size
 from pffs.testing.s3_server import SeaweedS3
@@ -235,19 +236,6 @@ def describe(row: Result) -> str:
         f"{row['client']:<5} sequential {row['read'] / mib:.0f} MiB: {row['cold_mb_s']:,.0f} MB/s cold, "
         f"fetched {row['fetched_per_read']:.2f}x in {row['gets']} GETs"
     )
-
-
-def commit() -> str:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
-        )
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--", "pffs", "cache"], capture_output=True, text=True
-        )
-        return out.stdout.strip() + ("+changes" if dirty.stdout.strip() else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def plot(report: Result, path: Path) -> None:
