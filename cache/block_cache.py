@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 
 Block = bytes | memoryview
 STATS_FILE = "stats.sqlite"
-MAX_FETCHED_AHEAD = 65536  # keys remembered as looked up ahead, to count their reader's read rightly
+MAX_LOOKED_AHEAD = 65536  # keys remembered as looked up ahead, to count their reader's read rightly
 FETCHED_AHEAD, FOUND_AHEAD = "fetched", "found"
 
 
@@ -66,8 +66,8 @@ class BlockCache:
             self.stats = CacheStats(None)
         self.memory = MemoryTier(memory_capacity_bytes, self.stats)
         self._flight: SingleFlight[Block] = SingleFlight()
-        # Keys looked up ahead of their reader and not read since (insertion order): how (FETCHED_AHEAD...)
-        self._fetched_ahead: dict[str, str] = {}
+        # Keys looked up ahead of their reader and not read since, oldest first: FETCHED_AHEAD or FOUND_AHEAD
+        self._looked_ahead: dict[str, str] = {}
         self._ahead_lock = threading.Lock()
         after_fork_in_child(self._reset_after_fork)
 
@@ -75,7 +75,7 @@ class BlockCache:
         self.memory.reset_after_fork()
         self.stats.reset_after_fork()
         self._flight.reset_after_fork()
-        self._fetched_ahead = {}  # the parent's fetches are the parent's
+        self._looked_ahead = {}  # the parent's fetches are the parent's
         self._ahead_lock = threading.Lock()
 
     def get(
@@ -99,9 +99,9 @@ class BlockCache:
         data = self._flight.run(
             key, lambda publish: self._load(key, fetch, keep_in_memory, publish, length, False, ahead)
         )
-        if not ahead:  # a reader that waited on a fetch ahead of it (its single flight's follower)
+        if not ahead and self._looked_ahead:  # a reader that waited on a fetch ahead of it (a follower)
             with self._ahead_lock:
-                fetched_ahead = self._fetched_ahead.pop(key, None) == FETCHED_AHEAD
+                fetched_ahead = self._looked_ahead.pop(key, None) == FETCHED_AHEAD
             if fetched_ahead:
                 self.stats.add("prefetch_hits")
         return data
@@ -247,12 +247,13 @@ class BlockCache:
         """A block found in `tier`. For a reader: a hit, a prefetch hit if this process fetched it ahead of
         the reader, or nothing if a look ahead found it cached (and counted the hit then). For a look
         ahead: the hit of the reader to come."""
-        with self._ahead_lock:
-            if ahead:
+        earlier = None
+        if ahead:
+            with self._ahead_lock:
                 self._remember_ahead(key, FOUND_AHEAD)
-                earlier = None
-            else:
-                earlier = self._fetched_ahead.pop(key, None)
+        elif self._looked_ahead:  # (no lock on a reader's hit while nothing was looked up ahead)
+            with self._ahead_lock:
+                earlier = self._looked_ahead.pop(key, None)
         if earlier == FOUND_AHEAD:
             return
         self.stats.add("prefetch_hits" if earlier == FETCHED_AHEAD else f"{tier}_hits")
@@ -260,14 +261,15 @@ class BlockCache:
 
     def forget_ahead(self, key: str) -> None:
         """The reader took the block from the look ahead itself (a read-ahead future): nothing to count."""
-        with self._ahead_lock:
-            self._fetched_ahead.pop(key, None)
+        if self._looked_ahead:
+            with self._ahead_lock:
+                self._looked_ahead.pop(key, None)
 
     def _remember_ahead(self, key: str, how: str) -> None:
-        self._fetched_ahead.pop(key, None)  # to the end: the oldest are forgotten first
-        self._fetched_ahead[key] = how
-        while len(self._fetched_ahead) > MAX_FETCHED_AHEAD:  # never read: forgotten
-            self._fetched_ahead.pop(next(iter(self._fetched_ahead)))
+        self._looked_ahead.pop(key, None)  # to the end: the oldest are forgotten first
+        self._looked_ahead[key] = how
+        while len(self._looked_ahead) > MAX_LOOKED_AHEAD:  # never read: forgotten
+            self._looked_ahead.pop(next(iter(self._looked_ahead)))
 
     def _keep_fetched(
         self,

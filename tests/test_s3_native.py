@@ -147,7 +147,7 @@ def test_a_plain_setup_reads_and_heads_without_making_s3fs_client(
     data = pattern(300_000, seed=41)
     raw_s3.pipe(f"{bucket}/p/x y.bin", data)
     native = _backend(s3_server, True)
-    assert native._plain is not None
+    assert native._plain_ok
     info = native.stat(f"{bucket}/p/x y.bin")
     assert sha256(bytes(native.read_range(info, 0, len(data)))) == sha256(data)
     assert native._fs is None  # no s3fs client was made

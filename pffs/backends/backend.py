@@ -366,16 +366,16 @@ class S3Backend(Backend):
         self._marked: set[str] = set()  # folders this process has put ATTRIBUTES_MARKER in
         self._native: NativeS3Getter | None = None
         self._native_pid = 0
-        # A native client that needs nothing of s3fs (s3_native.plain_getter), or None: then GETs and HEADs
-        # that need no s3fs (a `pffs cat` of a cached object) import neither botocore nor aiohttp.
+        # Whether the native client can be made without s3fs (s3_native.plain_getter): then GETs and HEADs
+        # (all a `pffs cat` of a cached object needs) import neither botocore nor aiohttp.
         self._make_plain = plain_native
-        self._plain = plain_native() if plain_native is not None and native_gets else None
+        self._plain_ok = native_gets and plain_native is not None and plain_native() is not None
 
     def _attempt(self, fn: Callable[[], T]) -> Callable[[], T]:
         return fn  # s3fs's calls are async (bounded by their timeout) and the native client's by its own
 
     def _strip_protocol(self, name: str) -> str:
-        if self._plain is not None and self._fs is None:  # as s3fs strips, without making its client
+        if self._plain_ok and self._fs is None:  # as s3fs strips, without making its client
             for prefix in ("s3://", "s3a://"):
                 name = name.removeprefix(prefix)
             return name.rstrip("/")
@@ -383,8 +383,8 @@ class S3Backend(Backend):
 
     def _split(self, path: str) -> tuple[str, str]:
         """(bucket, key) of a backend path, without making s3fs's client where the native one does all."""
-        if self._plain is not None and self._fs is None:
-            bucket, _, key = path.removeprefix("s3://").rstrip("/").partition("/")
+        if self._plain_ok and self._fs is None:
+            bucket, _, key = self._strip_protocol(path).partition("/")
             return bucket, key
         fs: Any = self.fs
         bucket, key, _ = fs.split_path(path)
@@ -418,12 +418,10 @@ class S3Backend(Backend):
         if not self.native_gets:
             return None
         if self._native is None or self._native_pid != os.getpid():
-            if self._plain is not None:
+            if self._plain_ok and self._make_plain is not None:
                 with self._lock:
                     if self._native is None or self._native_pid != os.getpid():
-                        # one per process: its connections are this process's
-                        fresh = self._make_plain() if self._native is not None and self._make_plain else None
-                        self._native = fresh or self._plain
+                        self._native = self._make_plain()  # one per process: its locks are this process's
                         self._native_pid = os.getpid()
                 return self._native
             fs = self.fs  # before the lock: making the fs takes it too
@@ -551,13 +549,15 @@ class S3Backend(Backend):
         return ObjectInfo(path=path, size=0, is_dir=True, identity="dir", posix=PosixAttributes())
 
     def _head_object(self, bucket: str, key: str) -> dict[str, Any]:
-        """A HEAD through the native client once a GET has made it in this process (a fraction of
-        botocore's CPU: measured by bench/profile_mount.py), else through s3fs's. Not made for a HEAD
-        alone: a process that only lists and stats, then forks readers (a DataLoader's), keeps s3fs's
-        client to itself as before, whose session a forked child otherwise closes on the wrong loop."""
-        native = self._native if self.native_gets and self._native_pid == os.getpid() else None
-        if native is None and self._plain is not None and self.native_gets:
+        """A HEAD through the native client (a fraction of botocore's CPU: measured by
+        bench/profile_mount.py) where it needs nothing of s3fs, or once a GET has made it in this process;
+        else through s3fs's. One made from s3fs is not made for a HEAD alone: a process that only lists and
+        stats, then forks readers (a DataLoader's), keeps s3fs's client to itself as before, whose session a
+        forked child otherwise closes on the wrong loop."""
+        if self._plain_ok:
             native = self._native_getter()  # made without s3fs: nothing of it to inherit in a fork
+        else:
+            native = self._native if self.native_gets and self._native_pid == os.getpid() else None
         if native is not None:
             try:
                 return native.head(bucket, key)

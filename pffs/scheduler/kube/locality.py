@@ -30,6 +30,11 @@ class CachedDataset:
     total_bytes: int  # 0 where the node does not know the dataset's size
 
     @property
+    def whole(self) -> bool:
+        """Every byte of a dataset of known size is cached (what warm-before-bind and gated pods wait for)."""
+        return self.total_bytes > 0 and self.cached_bytes >= self.total_bytes
+
+    @property
     def fraction(self) -> float:
         if self.total_bytes > 0:
             return min(1.0, self.cached_bytes / self.total_bytes)

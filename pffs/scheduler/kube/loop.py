@@ -110,9 +110,10 @@ class Scheduler:
         nodes = self._nodes.items()
         listed = self._pods.items()
         self._release_holds(nodes, listed, report)
-        pods = self._with_assumed(listed)
+        held = {p.pod.name: p for hold in self._holds.values() for p in hold.placements}
+        pods = self._with_assumed(listed, held)
         snap = build_snapshot(nodes, pods, self._list_podgroups(), self.queues, self.scheduler_name)
-        snap.ours -= {p.pod.name for hold in self._holds.values() for p in hold.placements}  # not bound
+        snap.ours -= held.keys()  # held, not bound: never a pod to evict
         for what, problem in snap.problems.items():
             self._report_problem(what, problem)
         live = {key for p in pods if (key := _safe_key(p))}
@@ -167,10 +168,9 @@ class Scheduler:
             stop.wait(max(0.0, interval - (time.monotonic() - started)))
         self.close()
 
-    def _with_assumed(self, pods: list[Any]) -> list[Any]:
-        """The pods, those bound here but not yet seen bound, and those held for warm-up, shown on their
-        nodes (with their GPUs)."""
-        held = {p.pod.name: p for hold in self._holds.values() for p in hold.placements}
+    def _with_assumed(self, pods: list[Any], held: Mapping[str, Placement]) -> list[Any]:
+        """The pods, those bound here but not yet seen bound, and those `held` for warm-up (pod key ->
+        its placement), shown on their nodes (with their GPUs)."""
         if not self._assumed and not held:
             return pods
         now = time.monotonic()

@@ -64,11 +64,7 @@ def cold_nodes(datasets: Sequence[str], nodes: Mapping[str, Mapping[str, Any] | 
     cold = []
     for name, obj in sorted(nodes.items()):
         cache = node_cache(obj) if obj is not None else None
-        whole = cache is not None and all(
-            d in cache and cache[d].total_bytes > 0 and cache[d].cached_bytes >= cache[d].total_bytes
-            for d in datasets
-        )
-        if not whole:
+        if cache is None or not all(d in cache and cache[d].whole for d in datasets):
             cold.append(name)
     return cold
 
