@@ -185,8 +185,7 @@ class WarmupController:
         started = status.get("startTime")
         if not started:
             return
-        last = datetime.datetime.strptime(started, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=datetime.UTC)
-        if not schedule.fired_between(last, datetime.datetime.now(datetime.UTC)):
+        if not schedule.fired_between(_parse_stamp(started), datetime.datetime.now(datetime.UTC)):
             return
         meta = item["metadata"]
         patch_status(
@@ -290,7 +289,7 @@ class WarmupController:
                 break
             cache = node_cache({"metadata": {"annotations": obj.metadata.annotations or {}}}) or {}
             found = cache.get(source)
-            if found is None or found.total_bytes == 0 or found.cached_bytes < found.total_bytes:
+            if found is None or not found.whole:
                 break
         else:
             return True
@@ -374,10 +373,14 @@ class WarmupController:
             )
 
 
+def _parse_stamp(stamp: str) -> datetime.datetime:
+    """A status time stamp (2026-11-27T10:00:00Z, as warmups.now writes them) as a UTC datetime."""
+    return datetime.datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=datetime.UTC)
+
+
 def _age_s(stamp: str) -> float:
-    """Seconds since a status time stamp (2026-11-27T10:00:00Z)."""
-    then = datetime.datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=datetime.UTC)
-    return (datetime.datetime.now(datetime.UTC) - then).total_seconds()
+    """Seconds since a status time stamp."""
+    return (datetime.datetime.now(datetime.UTC) - _parse_stamp(stamp)).total_seconds()
 
 
 def roll_up(status: dict[str, Any]) -> dict[str, Any]:
