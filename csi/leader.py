@@ -1,7 +1,7 @@
 """Leader election on a coordination.k8s.io Lease, for a controller that may run more than once.
 
 The holder renews the Lease every RENEW_S; another candidate takes it over once it has not been renewed
-for LEASE_S. A candidate that cannot reach the API server stops leading after LEASE_S (it cannot know
+for LEASE_S, or at its next look (RENEW_S) when the holder stopped and handed it back. A candidate that cannot reach the API server stops leading after LEASE_S (it cannot know
 whether another took over). Writes carry the Lease's resourceVersion, so two candidates never both win.
 """
 
@@ -35,8 +35,26 @@ class LeaseLeader:
         self._thread.start()
 
     def stop(self) -> None:
+        """Stops renewing and, if this candidate leads, hands the Lease back at once (as client-go's
+        ReleaseOnCancel): the next leader (a rollout's new replica) takes over in seconds, not LEASE_S."""
         self._stop.set()
         self._thread.join(timeout=2)
+        if self.is_leader():
+            try:
+                self._release()
+            except Exception as exc:  # it then expires after LEASE_S, as if this process had died
+                log.info("leader election: could not hand the Lease back (%s)", exc)
+        self._renewed_at = float("-inf")
+
+    def _release(self) -> None:
+        lease = self.api.read_namespaced_lease(self.name, self.namespace, _request_timeout=5)
+        if lease.spec.holder_identity != self.identity:
+            return
+        # No holder, and a duration of 1 s: expired for any candidate at its next look
+        lease.spec.holder_identity = ""
+        lease.spec.lease_duration_seconds = 1
+        self.api.replace_namespaced_lease(self.name, self.namespace, lease, _request_timeout=5)
+        log.info("leader election: handed the Lease back (%s)", self.identity)
 
     def is_leader(self) -> bool:
         return time.monotonic() - self._renewed_at < LEASE_S

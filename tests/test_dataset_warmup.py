@@ -615,3 +615,28 @@ def test_a_warm_before_bind_gang_binds_cold_at_its_deadline_when_a_node_cannot_w
         )
     finally:
         cluster.delete_pods(names)
+
+
+def test_a_stopped_leader_hands_its_lease_to_the_next_at_once(api_server: Any) -> None:
+    """A controller replaced (a rollout, a test's next controller) must not leave warm-ups unattended for
+    the Lease's whole duration: the leader that stops hands the Lease back, and the waiting candidate
+    leads at its next look, well before the old one would have expired."""
+    from pffs.csi.leader import LEASE_S, RENEW_S, LeaseLeader
+
+    api = api_server.api()
+    first = LeaseLeader(api, SYSTEM, "pffs-test-handover", "first")
+    first.start()
+    wait_for("the first candidate leading", first.is_leader, 15)
+    second = LeaseLeader(api, SYSTEM, "pffs-test-handover", "second")
+    second.start()
+    try:
+        time.sleep(RENEW_S + 1)
+        assert not second.is_leader()  # the Lease is held
+        stopped = time.monotonic()
+        first.stop()
+        assert not first.is_leader()
+        wait_for("the second candidate leading", second.is_leader, RENEW_S + 5)
+        assert time.monotonic() - stopped < LEASE_S
+    finally:
+        first.stop()
+        second.stop()
