@@ -1,8 +1,9 @@
 """Leader election on a coordination.k8s.io Lease, for a controller that may run more than once.
 
 The holder renews the Lease every RENEW_S; another candidate takes it over once it has not been renewed
-for LEASE_S, or at its next look (RENEW_S) when the holder stopped and handed it back. A candidate that cannot reach the API server stops leading after LEASE_S (it cannot know
-whether another took over). Writes carry the Lease's resourceVersion, so two candidates never both win.
+for LEASE_S, or at its next look (RENEW_S) when the holder stopped and handed it back. A candidate that
+cannot reach the API server stops leading after LEASE_S (it cannot know whether another took over).
+Writes carry the Lease's resourceVersion, so two candidates never both win.
 """
 
 from __future__ import annotations
