@@ -16,6 +16,13 @@ class ObjectChangedError(OSError):
         super().__init__(errno.ESTALE, f"{url}: the object changed while it was being read; open it again")
 
 
+class EndpointNotS3Error(OSError):
+    """The endpoint answered, but not as an S3 server does (a web server's page): a wrong --endpoint-url."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(errno.EPROTO, message)
+
+
 class UnknownSchemeError(ValueError):
     """A URL whose scheme no installed fsspec backend handles."""
 

@@ -47,6 +47,7 @@ def open_backend(url: str, options: BackendOptions | None = None) -> tuple[Backe
     protocol, rest = split_url(url)
     retry = RetryPolicy(timeout_s=options.backend_timeout)
     if protocol == "s3":
+        retry = RetryPolicy(timeout_s=options.backend_timeout, endpoint=options.endpoint_url)
         native = options.native_s3_gets and not options.extra
         s3 = S3Backend(
             "s3",

@@ -18,6 +18,7 @@ from pffs.cli import (
 )
 from pffs.cli.errors import EXIT_USAGE, run_reporting_errors
 from pffs.cli.logs import configure_logging
+from pffs.cli.usage import CommandLineParser
 
 DESCRIPTION = """\
 pffs: a data-caching filesystem for AI training. Reads S3, HDFS or any fsspec backend through a
@@ -90,7 +91,7 @@ def verbosity_option() -> argparse.ArgumentParser:
 
 def build_parser() -> argparse.ArgumentParser:
     common = global_options()
-    parser = argparse.ArgumentParser(
+    parser = CommandLineParser(
         prog="pffs",
         description=DESCRIPTION,
         epilog=EPILOG,
