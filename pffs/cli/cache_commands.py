@@ -70,12 +70,55 @@ def collect_stats(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _with_hit_ratio(counters: dict[str, Any]) -> dict[str, Any]:
-    """The counters and their hit ratio: block reads served by what was cached before anything of this
-    run asked for it, over all block reads (None before any). A block fetched ahead of its reader is a
-    prefetch (a backend fetch), and the read that finds it a prefetch hit, not a hit: a cold epoch shows 0."""
+    """The counters, the block reads they add up to, and two shares of those reads (None before any): the
+    hit ratio, reads served by what was cached before anything of this run asked for it, and the prefetch
+    hit ratio, reads served by a block fetched ahead for them. A block fetched ahead of its reader is a
+    prefetch (a backend fetch), and the read that finds it a prefetch hit, not a hit: a cold epoch shows a
+    hit ratio of 0 however well the prefetch served it, and its prefetch hit ratio says how well."""
     hits = counters["memory_hits"] + counters["disk_hits"]
-    reads = hits + counters["misses"] + counters.get("prefetch_hits", 0)
-    return {**counters, "hit_ratio": round(hits / reads, 4) if reads else None}
+    prefetch_hits = counters.get("prefetch_hits", 0)
+    reads = hits + counters["misses"] + prefetch_hits
+    return {
+        **counters,
+        "block_reads": reads,
+        "hit_ratio": round(hits / reads, 4) if reads else None,
+        "prefetch_hit_ratio": round(prefetch_hits / reads, 4) if reads else None,
+    }
+
+
+def _reads_rows(cache: dict[str, Any]) -> list[tuple[str, str]]:
+    """What the block reads were, in words: a cold epoch served by the prefetch reads as that."""
+    from pffs.config import format_size
+
+    ratio, ahead = cache["hit_ratio"], cache.get("prefetch_hit_ratio")
+    hits = cache["memory_hits"] + cache["disk_hits"]
+    prefetch_hits = cache.get("prefetch_hits", 0)
+    return [
+        (
+            "block reads",
+            f"{cache.get('block_reads', 0):,}: {hits:,} hits, {prefetch_hits:,} prefetch hits, "
+            f"{cache['misses']:,} misses",
+        ),
+        (
+            "hit ratio",
+            "-" if ratio is None else f"{ratio:.1%} (hits: blocks cached before this run asked for them)",
+        ),
+        (
+            "prefetch hit ratio",
+            "-"
+            if ahead is None
+            else f"{ahead:.1%} (prefetch hits: blocks fetched ahead of their reader, then served from the "
+            "cache)",
+        ),
+        ("hits memory / disk", f"{cache['memory_hits']:,} / {cache['disk_hits']:,}"),
+        ("prefetches (blocks fetched ahead)", f"{cache.get('prefetches', 0):,}"),
+        ("misses (fetched for a waiting reader)", f"{cache['misses']:,}"),
+        (
+            "bytes served from memory / disk",
+            f"{format_size(cache['bytes_from_memory'])} / {format_size(cache['bytes_from_disk'])} "
+            "(hits and prefetch hits)",
+        ),
+    ]
 
 
 def stats(args: argparse.Namespace) -> int:
@@ -86,21 +129,13 @@ def stats(args: argparse.Namespace) -> int:
         print(json.dumps(report, indent=2))
         return 0
     cache, usage = report["cache"], report["cache_usage"]
-    ratio = cache["hit_ratio"]
     if report["scope"] == "mount":
         rows = [("mount", f"{report['source']} at {report['mountpoint']} (pid {report['pid']})")]
     else:
         rows = [("cache directory", report["cache_dir"])]
     used = usage["disk_bytes"] / usage["disk_capacity_bytes"] if usage["disk_capacity_bytes"] else 0
+    rows += _reads_rows(cache)
     rows += [
-        ("hit ratio", "-" if ratio is None else f"{ratio:.1%}"),
-        ("memory hits", f"{cache['memory_hits']:,}  ({format_size(cache['bytes_from_memory'])})"),
-        ("disk hits", f"{cache['disk_hits']:,}  ({format_size(cache['bytes_from_disk'])})"),
-        ("misses (fetched for a waiting reader)", f"{cache['misses']:,}"),
-        (
-            "prefetches / their reads",
-            f"{cache.get('prefetches', 0):,} / {cache.get('prefetch_hits', 0):,}",
-        ),
         ("bytes fetched from the backend", format_size(cache["bytes_fetched"])),
         ("evictions memory / disk", f"{cache['memory_evictions']:,} / {cache['disk_evictions']:,}"),
         (

@@ -9,6 +9,7 @@ nothing about the mount (and never a credential) appears in its argv.
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import signal
 import sys
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pffs.cli.errors import EXIT_FAILURE, EXIT_OK, UsageError
+from pffs.cli.holders import describe, holders
 from pffs.fuse.ending import exit_code_table
 
 if TYPE_CHECKING:
@@ -24,6 +26,7 @@ if TYPE_CHECKING:
 
 
 READY_TIMEOUT_S = 120.0
+DETACH_WAIT_S = 30.0  # for a mount asked to detach itself (pffs umount --lazy)
 MOUNT_HELP = """\
 Mounts SOURCE (s3://bucket/prefix, a local path, hdfs://..., any fsspec URL) at MOUNTPOINT and returns
 once the mount is ready; the mount keeps serving in the background until `pffs umount MOUNTPOINT` (or
@@ -121,11 +124,20 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
         parents=[common],
         help="unmount a pffs mount (uploads what is pending first)",
         description="Asks the mount process to upload every file still pending and unmount, and waits "
-        "for it. A dead (stale) mount, whose process is gone, is detached.",
+        "for it. A mount that processes still use (a working directory, open or mapped files inside) is "
+        'left mounted, and they are named (pid and command), as umount says "target is busy"; '
+        "--lazy detaches it anyway. A dead (stale) mount, whose process is gone, is detached.",
     )
     p.add_argument("mountpoint", metavar="MOUNTPOINT")
     p.add_argument(
         "--timeout", type=float, default=600.0, help="seconds to wait for pending uploads (default 600)"
+    )
+    p.add_argument(
+        "--lazy",
+        "-l",
+        action="store_true",
+        help="if processes still use the mount, detach it now anyway (as umount -l): it is gone from the "
+        "folder tree at once, and serves them until they let go; then it uploads what is pending and ends",
     )
     p.set_defaults(run=umount)
 
@@ -210,7 +222,10 @@ def mount(args: argparse.Namespace) -> int:
     if args.foreground:
         from pffs.fuse.mount import serve
 
-        return serve(options, ready=lambda: print(f"pffs: mounted at {options.mountpoint}", file=sys.stderr))
+        # (what the user should know of the mount is on stderr already: the foreground mount logs there)
+        return serve(
+            options, ready=lambda _: print(f"pffs: mounted at {options.mountpoint}", file=sys.stderr)
+        )
     return start_in_background(options)
 
 
@@ -226,6 +241,8 @@ def start_in_background(options: MountOptions) -> int:
         f"pffs: mounted {options.source} at {options.mountpoint} (pid {child.pid}, log {options.log_file})",
         file=sys.stderr,
     )
+    for notice in child.notices:
+        print(f"pffs: warning: {notice}", file=sys.stderr)
     return EXIT_OK
 
 
@@ -245,6 +262,17 @@ def umount(args: argparse.Namespace) -> int:
         pid = int(os.getxattr(path, "user.pffs.pid"))
     except OSError:
         raise OSError(22, f"{path} is not a pffs mount (use umount or fusermount3 -u)") from None
+    real = Path(os.path.realpath(path.parent)) / path.name  # as /proc names what is inside it
+    used_by = holders(real, exclude={os.getpid(), pid})
+    if used_by and not args.lazy:
+        raise OSError(
+            errno.EBUSY,
+            f"{path} is busy, still used by {describe(used_by)}: end them or move them out of it (cd "
+            f"elsewhere, close the files), then pffs umount again; or pffs umount --lazy {path} detaches "
+            "it now and serves them until they let go",
+        )
+    if used_by:
+        return detach_lazily(real, pid, describe(used_by))
     os.kill(pid, signal.SIGTERM)  # the mount uploads what is pending, then unmounts itself
     deadline = time.monotonic() + args.timeout
     while is_alive(pid) and time.monotonic() < deadline:
@@ -256,4 +284,23 @@ def umount(args: argparse.Namespace) -> int:
         )
     if mountpoint_state(path) in ("mounted", "stale"):
         force_unmount(path)
+    return EXIT_OK
+
+
+def detach_lazily(path: Path, pid: int, used_by: str) -> int:
+    """Has the mount detach itself (umount -l) and serve the processes that use it until they let go."""
+    from pffs.fuse.mountpoint import in_mount_table
+    from pffs.fuse.options import DETACH_SIGNAL
+
+    os.kill(pid, DETACH_SIGNAL)
+    deadline = time.monotonic() + DETACH_WAIT_S
+    while in_mount_table(path) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if in_mount_table(path):
+        raise TimeoutError(f"the mount process {pid} did not detach {path} within {DETACH_WAIT_S:.0f} s")
+    print(
+        f"pffs: detached {path}; still used by {used_by}: the mount (pid {pid}) serves them until they "
+        "let go, then uploads what is pending and ends",
+        file=sys.stderr,
+    )
     return EXIT_OK

@@ -1,6 +1,7 @@
 """The background mount that `pffs mount` (and the CSI plugin) starts: options as JSON on stdin; one line on
-stdout, "ok PID" once mounted (PID: the serving process) or "error: ..." (then exit non-zero); logs to the
-log file (stderr).
+stdout, "ok PID" once mounted (PID: the serving process; then, each after a tab, what the user should know
+of the mount made, as a source that did not exist) or "error: ..." (then exit non-zero); logs to the log
+file (stderr).
 
 Two processes: this one reads the options, then forks before loading pyfuse3 or trio or starting a thread.
 The child serves (pffs.fuse.mount.serve) and logs its own last line when it ends in any way it can see.
@@ -50,9 +51,10 @@ def main() -> int:
 def serve_in_child(options: MountOptions, answer_fd: int) -> int:
     answered = False
 
-    def ready() -> None:
+    def ready(notices: tuple[str, ...]) -> None:
         nonlocal answered
-        os.write(answer_fd, b"ok\n")
+        said = "".join("\t" + " ".join(notice.split()) for notice in notices)  # one line, tabs between
+        os.write(answer_fd, f"ok{said}\n".encode())
         os.close(answer_fd)
         answered = True
 
@@ -80,7 +82,7 @@ def supervise(options: MountOptions, pid: int, answer_fd: int, oom: OomWatch) ->
     answer = _read_line(answer_fd)
     os.close(answer_fd)
     if answer.startswith(b"ok"):
-        _answer(f"ok {pid}\n".encode())
+        _answer(f"ok {pid}".encode() + answer[2:])  # and the notices after it
     elif answer:
         _answer(answer)
     if answer:

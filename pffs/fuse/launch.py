@@ -31,6 +31,7 @@ class MountStartError(Exception):
 class MountProcess:
     pid: int  # the serving process (`pffs umount` and the CSI plugin signal it)
     popen: subprocess.Popen[bytes]  # its supervisor, which exits with its status (pffs.fuse.ending)
+    notices: tuple[str, ...] = ()  # what the user should know of the mount made (one line each)
 
 
 def options_with_credentials(options: MountOptions, without_defaults: bool = False) -> bytes:
@@ -72,8 +73,9 @@ def start_mount_process(
     answer = child.stdout.readline().decode(errors="replace").strip() if readable else ""
     child.stdout.close()
     if answer.split()[:1] == ["ok"]:  # "ok PID": the serving process (its parent, `child`, supervises it)
-        words = answer.split()
-        return MountProcess(int(words[1]) if len(words) > 1 else child.pid, child)
+        first, *notices = answer.split("\t")  # then the notices, a tab before each
+        words = first.split()
+        return MountProcess(int(words[1]) if len(words) > 1 else child.pid, child, tuple(notices))
     if not answer:
         child.kill()
         answer = f"the mount process did not answer within {ready_timeout_s:.0f} s (see {options.log_file})"

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import difflib
 import errno
 import faulthandler
 import logging
 import os
+import posixpath
 import signal
 import sys
 from collections.abc import Callable
@@ -37,9 +39,9 @@ from pffs.fuse.ending import (
     Ending,
 )
 from pffs.fuse.metrics import start_metrics_server
-from pffs.fuse.mountpoint import in_mount_table
+from pffs.fuse.mountpoint import force_unmount, in_mount_table
 from pffs.fuse.operations import Operations
-from pffs.fuse.options import MountOptions
+from pffs.fuse.options import DETACH_SIGNAL, MountOptions
 from pffs.processes import public_url
 from pffs.vfs import Vfs
 from pffs.vfs.namespace import Namespace
@@ -54,21 +56,26 @@ log = logging.getLogger(__name__)
 READ_AHEAD_KB = 4096
 
 
-def serve(options: MountOptions, ready: Callable[[], None], supervisor: int | None = None) -> int:
+def serve(
+    options: MountOptions, ready: Callable[[tuple[str, ...]], None], supervisor: int | None = None
+) -> int:
     """Mounts and serves until unmounted, then returns the exit status of the way it ended (ending.py) after
     logging it as its last line. Raises before `ready` if the mount cannot be made (bad source,
-    credentials, mountpoint). `supervisor`: the pid of the process that waits for this one (mount_daemon)."""
+    credentials, mountpoint); `ready` gets what the user should know of the mount made (a source that did
+    not exist: one line each, logged too). `supervisor`: the pid of the process that waits for this one
+    (mount_daemon)."""
     enable_faulthandler()
     keep_freed_memory()
+    signal.signal(DETACH_SIGNAL, signal.SIG_IGN)  # until the serving loop handles it
     record = mount_record.record_path(options.log_file, options.cache.cache_dir, options.mountpoint)
     previous = mount_record.ended_without_a_word(record)
     if previous:
         log.warning("%s", previous)
     answered = False
 
-    def answer() -> None:
+    def answer(notices: tuple[str, ...]) -> None:
         nonlocal answered
-        ready()
+        ready(notices)
         answered = True
 
     try:
@@ -88,33 +95,76 @@ def serve(options: MountOptions, ready: Callable[[], None], supervisor: int | No
     return ending.code
 
 
-def _missing_root(backend: Backend, root: str, options: MountOptions) -> bool:
-    """A source that does not exist yet: a read-write mount starts empty (the first file written makes
-    the prefix, as with Mountpoint; a file system's folder is made now), a read-only one has nothing to
-    show. True if the root is to be shown as a new, empty directory."""
+def _missing_root(backend: Backend, root: str, options: MountOptions) -> tuple[bool, str]:
+    """A source that does not exist: a missing bucket fails either way (pffs does not create buckets); a
+    missing prefix or folder fails a read-only mount (nothing to show) and starts a read-write one empty
+    (the first file written makes the prefix, as with Mountpoint; a file system's folder is made now).
+    Returns whether the root is to be shown as a new, empty directory, and the one line that says so to
+    the user, naming the existing names nearest to the missing one (a typo is the likely cause)."""
     url = public_url(options.source)
+    if not backend.has_real_directories:
+        bucket = root.split("/", 1)[0]
+        try:
+            backend.stat(bucket)
+        except FileNotFoundError:
+            endpoint = options.backend.endpoint_url
+            where = f" at {public_url(endpoint)}" if endpoint else ""
+            raise FileNotFoundError(
+                errno.ENOENT,
+                f"{url}: the bucket {bucket} does not exist{where}; pffs does not create buckets, so "
+                "neither a read-only nor a read-write mount can use it: check the bucket's name "
+                "(and --endpoint-url), or create the bucket first",
+            ) from None
+    nearest = _nearest_names(backend, root)
+    meant = f"did you mean {' or '.join(nearest)}?" if nearest else ""
     if options.read_only:
         raise FileNotFoundError(
-            errno.ENOENT, f"{url} does not exist (nothing to read; a read-write mount of it starts empty)"
+            errno.ENOENT,
+            f"{url} does not exist, so a read-only mount has nothing to show: "
+            + (meant if nearest else "check the URL")
+            + "; to start it empty, mount it read-write",
         )
     if backend.has_real_directories:
         backend.make_dir(root)
-        return False
-    bucket = root.split("/", 1)[0]
-    try:
-        backend.stat(bucket)
-    except FileNotFoundError:
-        raise FileNotFoundError(
-            errno.ENOENT, f"{url}: the bucket {bucket} does not exist (pffs does not create buckets)"
-        ) from None
-    log.info("%s does not exist yet: the mount starts empty; the first file written creates it", url)
-    return True
+        notice = f"{url} did not exist: made it, empty"
+        is_new = False
+    else:
+        notice = f"{url} does not exist yet: mounted empty, and the first file written creates it"
+        is_new = True
+    if nearest:
+        notice += f"; {meant} (then pffs umount {options.mountpoint} and mount that)"
+    return is_new, notice
+
+
+def _nearest_names(backend: Backend, root: str, levels: int = 3) -> list[str]:
+    """URLs of existing folders whose names are closest to the missing part of `root` (s3://b/imagnet/train
+    -> s3://b/imagenet/train), from one listing of the nearest existing parent; none if it has no close
+    name, or cannot be listed."""
+    missing = root.rstrip("/")
+    for _ in range(levels):
+        parent, name = posixpath.split(missing)
+        if not name or not parent:
+            return []
+        try:
+            entries = backend.list_dir(parent)
+        except FileNotFoundError:
+            missing = parent  # its parent is missing too: the typo may be higher up
+            continue
+        except Exception as exc:  # a guess only: no suggestion
+            log.debug("could not list %s for names like %s: %s", parent, name, exc)
+            return []
+        folders = {posixpath.basename(e.path.rstrip("/")) for e in entries if e.is_dir}
+        close = difflib.get_close_matches(name, sorted(folders), n=2, cutoff=0.6)
+        rest = root.rstrip("/")[len(missing) :]
+        return [public_url(backend.url(posixpath.join(parent, c) + rest)) for c in close]
+    return []
 
 
 def _mount_and_serve(
-    options: MountOptions, ready: Callable[[], None], record: Path, supervisor: int | None
+    options: MountOptions, ready: Callable[[tuple[str, ...]], None], record: Path, supervisor: int | None
 ) -> Ending:
     leave_dead = False  # a mount that fails stays in place, dead: ENOTCONN, not an empty folder
+    notices: list[str] = []  # for the user at mount time (also logged): one line each
     with contextlib.ExitStack() as stack:
         backend, root = open_backend(options.source, options.backend)
         # The kernel keeps what the mount serves in its page cache: the disk tier is read around it.
@@ -123,7 +173,9 @@ def _mount_and_serve(
         try:
             root_info = vfs.stat(root)  # the backend answers, the credentials work, the source exists
         except FileNotFoundError:
-            root_is_new = _missing_root(backend, root, options)
+            root_is_new, notice = _missing_root(backend, root, options)
+            log.warning("%s", notice)
+            notices.append(notice)
         else:
             root_is_new = False
             if not root_info.is_dir:
@@ -149,15 +201,15 @@ def _mount_and_serve(
         if options.metrics_port:
             start_metrics_server(operations.report, options.metrics_address, options.metrics_port)
         log.info("mounted %s at %s (pid %d)", public_url(options.source), options.mountpoint, os.getpid())
-        ready()
+        ready(tuple(notices))
         mount_record.running(
             record, public_url(options.source), options.mountpoint, options.log_file, supervisor
         )
         try:
-            signalled = trio.run(_serve_until_unmounted, options.mountpoint)
+            signalled, detached = trio.run(_serve_until_unmounted, options.mountpoint)
             # Still mounted after a signal: never stat it here (nobody answers now), read the table only.
             listed = not signalled and in_mount_table(options.mountpoint)
-            ending = how_serving_ended(signalled, listed, options.mountpoint)
+            ending = how_serving_ended(signalled, listed, options.mountpoint, detached)
         except Exception as exc:
             log.critical("the mount's serving loop failed", exc_info=True)
             ending = serving_failed(exc, options.mountpoint)
@@ -176,12 +228,21 @@ def _mount_and_serve(
     return ending
 
 
-def how_serving_ended(signalled: str | None, still_listed: bool, mountpoint: Path) -> Ending:
+def how_serving_ended(
+    signalled: str | None, still_listed: bool, mountpoint: Path, detached: bool = False
+) -> Ending:
     """pyfuse3.main returned: on our pyfuse3.terminate() (a signal), or when the kernel ended the session
-    (libfuse takes ENODEV from /dev/fuse as the end): unmounted from outside, or the connection aborted
-    (the mount stays listed, dead)."""
+    (libfuse takes ENODEV from /dev/fuse as the end): unmounted from outside, or after the mount detached
+    itself on request (`pffs umount --lazy`) and the last process using it let go, or the connection
+    aborted (the mount stays listed, dead)."""
     if signalled:
         return Ending(EXIT_UNMOUNTED, f"{signalled}: unmounted on request")
+    if detached and not still_listed:
+        return Ending(
+            EXIT_UNMOUNTED,
+            f"{DETACH_SIGNAL.name} (pffs umount --lazy): detached on request, and the last process using "
+            "it let go",
+        )
     if still_listed:
         return Ending(
             EXIT_CONNECTION_ABORTED,
@@ -202,15 +263,34 @@ def serving_failed(exc: BaseException, mountpoint: Path) -> Ending:
     )
 
 
-async def _serve_until_unmounted(mountpoint: Path) -> str | None:
-    """Serves until pyfuse3.main returns; the name of the signal that ended it, if one did."""
+async def _serve_until_unmounted(mountpoint: Path) -> tuple[str | None, bool]:
+    """Serves until pyfuse3.main returns; the name of the signal that ended it, if one did, and whether the
+    mount detached itself on request (DETACH_SIGNAL) before the kernel ended it."""
     signalled: list[str] = []
+    detached: list[bool] = []
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_terminate_on_signal, signalled)
+        nursery.start_soon(_detach_on_signal, mountpoint, detached)
         nursery.start_soon(_tune_kernel_after_init, mountpoint)
         await pyfuse3.main(min_tasks=4, max_tasks=64)
         nursery.cancel_scope.cancel()
-    return signalled[0] if signalled else None
+    return (signalled[0] if signalled else None), bool(detached)
+
+
+async def _detach_on_signal(mountpoint: Path, detached: list[bool]) -> None:
+    """DETACH_SIGNAL: the mount detaches itself (umount -l) and goes on serving the processes that use it
+    until they let go; then the kernel ends the session. (Ignored outside the serving loop: see serve.)"""
+    with trio.open_signal_receiver(DETACH_SIGNAL) as signals:
+        async for _ in signals:
+            log.info(
+                "%s (pffs umount --lazy): detaching %s now; serving the processes that still use it until "
+                "they let go",
+                DETACH_SIGNAL.name,
+                mountpoint,
+            )
+            detached.append(True)
+            await trio.to_thread.run_sync(force_unmount, mountpoint)  # the loop answers its lookups
+            return
 
 
 async def _terminate_on_signal(signalled: list[str]) -> None:
