@@ -151,7 +151,7 @@ def test_unreachable_endpoint_fails_fast_with_a_clear_line(tmp_path: Path) -> No
         (["cat", "nosuch://x"], "unknown URL scheme 'nosuch'"),
         (["--block-size", "1K", "stats"], "block-size"),
         (["warmup", "/tmp", "--workers", "many"], "invalid int value"),
-        (["frobnicate"], "invalid choice"),
+        (["frobnicate"], "unknown command 'frobnicate'"),
         (["warmup", "/tmp", "--workers", "-3"], "--workers must be at least 1, not -3"),
         (["--endpoint-url", "127.0.0.1:8334", "cat", "s3://bkt/k"], "e.g. http://127.0.0.1:8334"),
         (["cat", "gs://bkt/k"], "gs:// needs a package that is not installed"),
