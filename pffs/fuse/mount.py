@@ -120,9 +120,8 @@ def _missing_root(backend: Backend, root: str, options: MountOptions) -> tuple[b
     if options.read_only:
         raise FileNotFoundError(
             errno.ENOENT,
-            f"{url} does not exist, so a read-only mount has nothing to show: "
-            + (meant if nearest else "check the URL")
-            + "; to start it empty, mount it read-write",
+            f"{url} does not exist (nothing to read; a read-write mount of it starts empty)"
+            + (f"; {meant}" if nearest else ""),
         )
     if backend.has_real_directories:
         backend.make_dir(root)
