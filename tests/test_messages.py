@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import threading
@@ -314,7 +315,7 @@ def test_stats_of_a_cold_epoch_served_by_the_prefetch_read_as_what_happened(
     assert ahead > 50 and report["memory_hits"] + report["disk_hits"] == 0, report  # fetched ahead, read
     assert report["block_reads"] == ahead + misses == len(files)
     assert report["hit_ratio"] == 0.0 and report["prefetch_hit_ratio"] == round(ahead / len(files), 4)
-    rows = {line[:38].strip(): line[38:].strip() for line in table.splitlines() if line[:1].strip()}
+    rows = dict(re.split(r"\s{2,}", line.strip(), maxsplit=1) for line in table.splitlines()[:12])
     assert rows["block reads"] == f"120: 0 hits, {ahead} prefetch hits, {misses} misses", table
     assert rows["hit ratio"] == "0.0% (hits: blocks cached before this run asked for them)", table
     assert rows["prefetch hit ratio"] == (
