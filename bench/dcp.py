@@ -46,6 +46,7 @@ REPO = Path(__file__).resolve().parent.parent
 PEER_REGION = "us-east-1"  # SeaweedFS takes any region; the CRT client needs one
 CLIENTS = ("pffs", "torch_fsspec", PEER)
 RANK_TIMEOUT_S = 900
+PROFILE_DIR = os.environ.get("PFFS_BENCH_PROFILE")  # a folder: rank 0 of each run under py-spy (slower)
 
 
 def log(message: str) -> None:
@@ -157,6 +158,10 @@ def run_ranks(python: str, spec_path: Path, client: str, round_: int, ranks: int
         out = (logs / f"{client}-{round_}-{rank}.out").open("w")
         err = (logs / f"{client}-{round_}-{rank}.err").open("w")
         cmd = [python, "-W", "ignore", __file__, "--rank", str(spec_path), client, str(round_)]
+        if PROFILE_DIR and rank == 0:  # py-spy's collapsed stacks of rank 0, idle threads included
+            out_stacks = Path(PROFILE_DIR) / f"{client}-{round_}-{rank}.txt"
+            cmd = ["py-spy", "record", "--idle", "--threads", "--rate", "200", "--format", "raw",
+                   "-o", str(out_stacks), "--", *cmd]  # fmt: skip
         procs.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=err))
     try:
         for proc in procs:
@@ -171,7 +176,7 @@ def run_ranks(python: str, spec_path: Path, client: str, round_: int, ranks: int
             tail = (logs / f"{client}-{round_}-{rank}.err").read_text()[-3000:]
             raise RuntimeError(f"{client} round {round_} rank {rank} exited {proc.returncode}:\n{tail}")
     lines = (logs / f"{client}-{round_}-0.out").read_text().strip().splitlines()
-    return list(json.loads(lines[-1]))
+    return list(json.loads([line for line in lines if line.startswith("[")][-1]))  # py-spy prints too
 
 
 def main() -> int:
@@ -183,6 +188,7 @@ def main() -> int:
     parser.add_argument("--tensors", type=int, default=8, help="tensors per rank")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    parser.add_argument("--clients", default=",".join(CLIENTS), help="which to run (comma-separated)")
     args = parser.parse_args()
     size_per_rank = parse_size(args.size_per_rank)
     total_mb = size_per_rank * args.ranks / 1e6
@@ -191,9 +197,10 @@ def main() -> int:
 
     from pffs.testing.s3_server import SeaweedS3
 
-    pythons: dict[str, str] = {"pffs": sys.executable, "torch_fsspec": sys.executable}
+    chosen = args.clients.split(",")
+    pythons: dict[str, str] = {c: sys.executable for c in CLIENTS if c != PEER and c in chosen}
     skipped: dict[str, str] = {}
-    peer, peer_note = peer_python()
+    peer, peer_note = peer_python() if PEER in chosen else (None, "not chosen (--clients)")
     if peer is None:
         skipped[PEER] = peer_note
         log(f"{PEER} skipped: {peer_note}")

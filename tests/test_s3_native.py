@@ -201,3 +201,153 @@ def test_the_plain_native_client_only_where_botocore_would_decide_nothing(
     assert (plain_getter(endpoint, None, creds, False, 5.0, 30.0) is not None) == plain
     if plain:
         assert plain_getter(endpoint, None, None, True, 5.0, 30.0) is not None  # anonymous
+
+
+# Uploads: one PUT, or a multipart upload of parts sent at once (pffs.backends.backend.S3Backend.upload).
+
+PART = 5 << 20  # S3's least part size: a few parts from small files
+
+
+def _uploader(server: SeaweedS3, **options: Any) -> S3Backend:
+    backend = _backend(server, True, **options)
+    backend.upload_part_size = PART
+    return backend
+
+
+def _pending_uploads(raw_s3: Any, bucket: str) -> list[Any]:
+    found = raw_s3.call_s3("list_multipart_uploads", Bucket=bucket)
+    return list(found.get("Uploads", []))
+
+
+@pytest.mark.parametrize("size", [0, 1000, PART, 2 * PART + 17, 7 * PART - 1])
+def test_native_uploads_are_byte_exact_in_one_put_or_in_parts(
+    raw_s3: Any, bucket: str, s3_server: SeaweedS3, tmp_path: Path, size: int
+) -> None:
+    """A file up to the part size goes in one PUT, a larger one in parts sent at once and completed in
+    order; the object is the file, byte for byte, with the POSIX attributes given (read back by s3fs)."""
+    from pffs.backends.posix_metadata import PosixAttributes
+
+    data = pattern(size, seed=size % 251)
+    local = tmp_path / "file"
+    local.write_bytes(data)
+    backend = _uploader(s3_server)
+    backend.upload(str(local), f"{bucket}/up/plain.bin")
+    assert sha256(raw_s3.cat_file(f"{bucket}/up/plain.bin")) == sha256(data)
+    parts = -(-size // PART)
+    assert backend.requests.snapshot()["put"]["requests"] == (1 if parts <= 1 else parts + 2)
+    assert backend.native_puts and backend._fs is None  # native throughout: no s3fs client made
+    attributes = PosixAttributes(mode=0o100600, uid=7, gid=8, mtime_ns=1_700_000_000_123_456_789)
+    backend.upload(str(local), f"{bucket}/up/a file+.bin", attributes)
+    assert sha256(raw_s3.cat_file(f"{bucket}/up/a file+.bin")) == sha256(data)
+    assert backend.stat(f"{bucket}/up/a file+.bin").posix == attributes
+    assert _pending_uploads(raw_s3, bucket) == []
+
+
+def test_a_multipart_upload_that_fails_leaves_the_object_as_it_was_and_no_parts(
+    raw_s3: Any, bucket: str, s3_server: SeaweedS3, tmp_path: Path
+) -> None:
+    """A part refused for good (here: access denied on part 3 of 6): the upload fails with that error,
+    the object at the path is the previous one, byte for byte, and the parts sent are dropped."""
+    old = pattern(3 * PART + 5, seed=1)
+    raw_s3.pipe(f"{bucket}/ckpt.pt", old)
+    local = tmp_path / "new"
+    local.write_bytes(pattern(6 * PART - 3, seed=2))
+    backend = _uploader(s3_server)
+    native = backend._native_getter()
+    assert native is not None
+    send = native.upload_part
+
+    def upload_part(bucket_: str, key: str, upload_id: str, number: int, body: Any) -> str:
+        if number == 3:
+            raise PermissionError(13, "injected: part 3 refused")
+        return send(bucket_, key, upload_id, number, body)
+
+    native.upload_part = upload_part  # type: ignore[method-assign]
+    with pytest.raises(PermissionError, match="part 3 refused"):
+        backend.upload(str(local), f"{bucket}/ckpt.pt")
+    assert sha256(raw_s3.cat_file(f"{bucket}/ckpt.pt")) == sha256(old)
+    assert _pending_uploads(raw_s3, bucket) == []  # aborted
+
+
+def test_an_upload_cut_off_by_the_server_stopping_leaves_the_previous_object_exact(tmp_path: Path) -> None:
+    """The S3 server stops while parts are being sent: the upload fails within its deadline, and once the
+    server is back the object is the previous one, byte for byte (nothing was completed)."""
+    with SeaweedS3(tmp_path / "own-server") as server:
+        raw = s3fs.S3FileSystem(skip_instance_cache=True, **server.storage_options())
+        raw.mkdir("stops")
+        old = pattern(PART + 1, seed=3)
+        raw.pipe("stops/ckpt.pt", old)
+        local = tmp_path / "new"
+        local.write_bytes(pattern(5 * PART, seed=4))
+        opts = BackendOptions(
+            endpoint_url=server.endpoint_url,
+            access_key_id=server.access_key,
+            secret_access_key=server.secret_key,
+            backend_timeout=2,
+        )
+        backend, _ = open_backend("s3://stops", opts)
+        assert isinstance(backend, S3Backend)
+        backend.upload_part_size, backend.upload_concurrency = PART, 1
+        native = backend._native_getter()
+        assert native is not None
+        send = native.upload_part
+
+        def upload_part(bucket_: str, key: str, upload_id: str, number: int, body: Any) -> str:
+            if number == 2 and server.process is not None and server.process.poll() is None:
+                server.stop()
+            return send(bucket_, key, upload_id, number, body)
+
+        native.upload_part = upload_part  # type: ignore[method-assign]
+        with pytest.raises(OSError, match=r"s3://stops/ckpt\.pt"):
+            backend.upload(str(local), "stops/ckpt.pt")
+        server.start()
+        raw = s3fs.S3FileSystem(skip_instance_cache=True, **server.storage_options())
+        assert sha256(raw.cat_file("stops/ckpt.pt")) == sha256(old)
+
+
+def test_a_part_altered_on_the_way_is_refused_by_the_server_and_sent_again(
+    raw_s3: Any, bucket: str, s3_server: SeaweedS3, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each part carries its Content-MD5: the server refuses bytes that do not match (BadDigest), and the
+    part is sent again (here the first digest of part 2 is wrong); the object is exact."""
+    from pffs.backends import s3_native
+
+    data = pattern(3 * PART + 99, seed=5)
+    local = tmp_path / "file"
+    local.write_bytes(data)
+    digest = s3_native.FileRange.md5
+    wrong: list[int] = []
+
+    def md5(self: Any) -> str:
+        if self.offset == PART and not wrong:
+            wrong.append(self.offset)
+            return "AAAAAAAAAAAAAAAAAAAAAA=="
+        return digest(self)
+
+    monkeypatch.setattr(s3_native.FileRange, "md5", md5)
+    backend = _uploader(s3_server)
+    backend.upload(str(local), f"{bucket}/altered.bin")
+    assert wrong == [PART]
+    assert sha256(raw_s3.cat_file(f"{bucket}/altered.bin")) == sha256(data)
+    assert backend.requests.snapshot()["put"]["requests"] == 4 + 2  # one part twice
+
+
+def test_uploads_go_through_s3fs_where_the_native_client_cannot(
+    raw_s3: Any, bucket: str, s3_server: SeaweedS3, tmp_path: Path
+) -> None:
+    from pffs.backends.s3_native import NotHandled
+
+    data = pattern(2 * PART + 1, seed=6)
+    local = tmp_path / "file"
+    local.write_bytes(data)
+    backend = _uploader(s3_server)
+    native = backend._native_getter()
+    assert native is not None
+
+    def create(*args: Any) -> str:
+        raise NotHandled("injected")
+
+    native.create_multipart_upload = create  # type: ignore[method-assign]
+    backend.upload(str(local), f"{bucket}/fallback.bin")
+    assert not backend.native_puts
+    assert sha256(raw_s3.cat_file(f"{bucket}/fallback.bin")) == sha256(data)

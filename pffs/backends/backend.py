@@ -33,7 +33,7 @@ from pffs.backends.identity import identity_token, mtime_seconds
 from pffs.backends.posix_metadata import PosixAttributes
 from pffs.backends.request_stats import ERROR, NOT_FOUND, OK, RequestStats
 from pffs.backends.retry import RetryPolicy, describe
-from pffs.backends.s3_native import NativeS3Getter, NotHandled, native_getter_for
+from pffs.backends.s3_native import FileRange, NativeS3Getter, NotHandled, native_getter_for
 
 T = TypeVar("T")
 Block = bytes | memoryview
@@ -332,6 +332,12 @@ def _folder_marker(entry: dict[str, Any]) -> bool:
 # backend, not a large file on a slow link (a 5 GiB checkpoint needs more than 30 s at most link speeds).
 SLOWEST_TRANSFER_RATE = 10 << 20  # bytes per second
 
+# S3 uploads (S3Backend.upload): the part size of a multipart upload, and parts sent at once. Measured by
+# bench/dcp.py against a local SeaweedFS: see docs/benchmarks.
+UPLOAD_PART_SIZE = 16 << 20
+UPLOAD_CONCURRENCY = 4
+MIN_PART_SIZE = 5 << 20  # S3's least part size (but the last)
+
 BLOCKING_CALL_LIMIT_S = 3600.0  # a call's timeout where no deadline is set (the deadline is always nearer)
 _pool: concurrent.futures.ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
@@ -370,6 +376,8 @@ class S3Backend(Backend):
         # (all a `pffs cat` of a cached object needs) import neither botocore nor aiohttp.
         self._make_plain = plain_native
         self._plain_ok = native_gets and plain_native is not None and plain_native() is not None
+        self._parts_pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._parts_pool_pid = 0
 
     def _attempt(self, fn: Callable[[], T]) -> Callable[[], T]:
         return fn  # s3fs's calls are async (bounded by their timeout) and the native client's by its own
@@ -501,9 +509,77 @@ class S3Backend(Backend):
         self._call("put", lambda: self.fs.pipe_file(marker, b"", **self._wait()), marker)
         self._marked.add(folder)
 
+    # Uploads through the native client: one PUT up to UPLOAD_PART_SIZE, else a multipart upload of parts
+    # of that size, UPLOAD_CONCURRENCY of them at once, each sent from the file by the kernel (sendfile)
+    # and retried on its own; completed once every part is in, aborted on any failure. Until the
+    # completion the object at the path is what it was: an upload is whole or absent.
+    upload_part_size = UPLOAD_PART_SIZE
+    upload_concurrency = UPLOAD_CONCURRENCY
+    native_puts = True
+
+    def invalidate(self, path: str) -> None:
+        if self._fs is not None and self._fs_pid == os.getpid():  # else s3fs has cached nothing here
+            super().invalidate(path)
+
     def upload(self, local_path: str, path: str, attributes: PosixAttributes | None = None) -> None:
         self._mark_folder_of(path, attributes)
+        native = self._native_getter() if self.native_puts else None
+        if native is not None:
+            try:
+                self._upload_native(native, local_path, path, attributes)
+            except NotHandled as exc:
+                log.info("S3 uploads to %s go through s3fs from now on (%s)", self.url(path), exc)
+                self.native_puts = False
+            else:
+                self.invalidate(path)
+                return
         super().upload(local_path, path, attributes)
+
+    def _upload_native(
+        self, native: NativeS3Getter, local_path: str, path: str, attributes: PosixAttributes | None
+    ) -> None:
+        bucket, key = self._split(path)
+        size = os.path.getsize(local_path)
+        headers = {}
+        if attributes is not None:
+            headers = {f"x-amz-meta-{k}": v for k, v in attributes.to_metadata().items()}
+        part = max(MIN_PART_SIZE, self.upload_part_size)
+        if size <= part:
+            whole = FileRange(local_path, 0, size)
+            self._call("put", lambda: native.put_object(bucket, key, whole, headers), path, size)
+            return
+        upload_id = self._call("put", lambda: native.create_multipart_upload(bucket, key, headers), path)
+        futures: list[concurrent.futures.Future[str]] = []
+        try:
+            pool = self._upload_pool()
+            for number, offset in enumerate(range(0, size, part), start=1):
+                body = FileRange(local_path, offset, min(part, size - offset))
+                send = partial(native.upload_part, bucket, key, upload_id, number, body)
+                futures.append(pool.submit(self._call, "put", send, path, len(body)))
+            etags = [future.result() for future in futures]  # the first failure ends the wait
+            self._call("put", lambda: native.complete_multipart_upload(bucket, key, upload_id, etags), path)
+        except BaseException:
+            for future in futures:
+                future.cancel()
+            concurrent.futures.wait(futures)  # parts still being sent end (each within its deadline)
+            try:  # the parts sent are dropped; the object at the path was never touched
+                self._call("delete", lambda: native.abort_multipart_upload(bucket, key, upload_id), path)
+            except Exception as exc:  # the upload's own error is the one to raise
+                log.warning("%s: could not abort the failed multipart upload %s: %s", self.url(path),
+                            upload_id, describe(exc))  # fmt: skip
+            raise
+
+    def _upload_pool(self) -> concurrent.futures.ThreadPoolExecutor:
+        """Threads sending parts, UPLOAD_CONCURRENCY per backend (each its own connection), shared by the
+        uploads in flight; made again in a forked child."""
+        with self._lock:
+            pool = self._parts_pool
+            if pool is None or self._parts_pool_pid != os.getpid():
+                pool = concurrent.futures.ThreadPoolExecutor(
+                    self.upload_concurrency, thread_name_prefix="pffs-upload-part"
+                )
+                self._parts_pool, self._parts_pool_pid = pool, os.getpid()
+            return pool
 
     def write_bytes(self, path: str, data: bytes, attributes: PosixAttributes | None = None) -> None:
         self._mark_folder_of(path, attributes)

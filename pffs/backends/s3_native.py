@@ -1,5 +1,6 @@
 """S3 ranged GETs (and HEADs) without botocore, for the block fetches that carry almost every byte pffs
-reads, and the HEAD a read-write mount asks of every file it shows.
+reads, and the HEAD a read-write mount asks of every file it shows; and PUTs of local files (one PUT, or
+the parts of a multipart upload), for the uploads that carry every byte pffs writes.
 
 Through s3fs, every GET is built, signed, sent and parsed by aiobotocore and aiohttp in Python on s3fs's
 event-loop thread, the body arriving as a list of chunks that are joined at the end: 1-3 ms of CPU per
@@ -7,7 +8,9 @@ request here, more than the transfer of a 128 KiB file. A block fetch needs much
 key with a Range, pinned to a version, read into a buffer of known size. This client does just that: SigV4
 signing in a few lines, one keep-alive HTTP/1.1 connection per thread (blocking sockets, no event loop),
 and the body received straight into the caller's buffer (`recv_into`: no chunks, no join, the GIL released
-while waiting).
+while waiting). An upload's body goes from the local file to the socket with `sendfile` (no copy through
+Python), its Content-MD5 hashed from a memory map of the same bytes (the GIL released), so several parts
+go out at once on several threads; the server refuses a part whose bytes do not match it.
 
 It learns from the s3fs client it sits beside everything that decides where a request goes and who signs
 it: the bucket's base URL (botocore's own addressing decision: path style for an IP endpoint, virtual-host
@@ -19,11 +22,13 @@ caller goes back to s3fs for good.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import email.utils
 import errno
 import hashlib
 import hmac
+import mmap
 import os
 import re
 import socket
@@ -35,11 +40,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote, urlsplit
+from xml.sax.saxutils import escape, unescape
 
 from pffs.backends.deadline import timeout_left
 from pffs.backends.errors import ObjectChangedError
 
 EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
+UNSIGNED_PAYLOAD = "UNSIGNED-PAYLOAD"  # a body the signature does not cover (its Content-MD5 does)
 MAX_HEADER_BYTES = 64 << 10
 MAX_ERROR_BODY = 64 << 10
 CREDENTIALS_REFRESH_S = 60.0  # frozen credentials are asked of botocore again after this long
@@ -91,7 +98,8 @@ class BucketEndpoint:
 
 
 class SigV4:
-    """AWS Signature Version 4 for S3 GETs and HEADs (headers only; their payload is empty)."""
+    """AWS Signature Version 4 for S3 requests (headers only: a body is covered by its hash given as
+    `payload`, or by its Content-MD5 with UNSIGNED_PAYLOAD)."""
 
     def __init__(self, region: str) -> None:
         self.region = region
@@ -115,17 +123,19 @@ class SigV4:
         headers: dict[str, str],
         now: float,
         method: str = "GET",
+        payload: str = EMPTY_SHA256,
     ) -> dict[str, str]:
-        """The headers to send for a GET (or HEAD) of `path?query` on `host`: `headers` (lower-case names,
-        all of them signed) plus x-amz-date, x-amz-content-sha256, the session token and Authorization."""
+        """The headers to send for a request of `path?query` on `host` (`query` in canonical form: sorted,
+        encoded): `headers` (lower-case names, all of them signed) plus x-amz-date, x-amz-content-sha256,
+        the session token and Authorization."""
         stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(now))
         day = stamp[:8]
-        signed = {**headers, "host": host, "x-amz-content-sha256": EMPTY_SHA256, "x-amz-date": stamp}
+        signed = {**headers, "host": host, "x-amz-content-sha256": payload, "x-amz-date": stamp}
         if creds.token:
             signed["x-amz-security-token"] = creds.token
         names = sorted(signed)
         canonical = "\n".join(
-            [method, path, query, *(f"{k}:{signed[k]}" for k in names), "", ";".join(names), EMPTY_SHA256]
+            [method, path, query, *(f"{k}:{signed[k]}" for k in names), "", ";".join(names), payload]
         )
         scope = f"{day}/{self.region}/s3/aws4_request"
         to_sign = f"AWS4-HMAC-SHA256\n{stamp}\n{scope}\n{hashlib.sha256(canonical.encode()).hexdigest()}"
@@ -267,22 +277,38 @@ class NativeS3Getter:
         return answer
 
     def _request(
-        self, method: str, bucket: str, key: str, query: str, headers: dict[str, str]
+        self,
+        method: str,
+        bucket: str,
+        key: str,
+        query: str,
+        headers: dict[str, str],
+        body: FileRange | bytes | None = None,
     ) -> tuple[BucketEndpoint, _Connection, _Response]:
-        """Sends one signed request on this thread's connection to the bucket's endpoint and reads the
-        answer's headers (once more on a new connection if a kept-alive one had been closed)."""
+        """Sends one signed request (with its body) on this thread's connection to the bucket's endpoint
+        and reads the answer's headers (once more on a new connection if a kept-alive one had been
+        closed)."""
         endpoint = self._endpoint(bucket)
         path = endpoint.path_prefix + quote(key, safe="/~")
+        payload = EMPTY_SHA256
+        if body is not None:
+            headers = {**headers, "content-length": str(len(body))}
+            if isinstance(body, FileRange):
+                headers["content-md5"] = body.md5()  # the server refuses the part if the bytes differ
+                payload = UNSIGNED_PAYLOAD
+            else:
+                payload = hashlib.sha256(body).hexdigest()
         creds = self._current_credentials()
         if creds is not None:
-            headers = self._signer.sign(creds, endpoint.host, path, query, headers, time.time(), method)
+            now = time.time()
+            headers = self._signer.sign(creds, endpoint.host, path, query, headers, now, method, payload)
         target = path + ("?" + query if query else "")
         request = [f"{method} {target} HTTP/1.1", f"Host: {endpoint.host}", "Connection: keep-alive"]
         request += [f"{k}: {v}" for k, v in headers.items()]
         wire = ("\r\n".join(request) + "\r\n\r\n").encode()
         connection, reused = self._connection(endpoint)
         try:
-            return endpoint, connection, self._exchange(connection, wire, self.read_timeout)
+            return endpoint, connection, self._exchange(connection, wire, self.read_timeout, body)
         except (ConnectionError, _EmptyAnswer):
             connection.close()
             self._forget(endpoint)
@@ -291,7 +317,7 @@ class NativeS3Getter:
             # A kept-alive connection the server had closed: one new connection, at once.
             connection, _ = self._connection(endpoint)
             try:
-                return endpoint, connection, self._exchange(connection, wire, self.read_timeout)
+                return endpoint, connection, self._exchange(connection, wire, self.read_timeout, body)
             except BaseException:
                 connection.close()
                 self._forget(endpoint)
@@ -300,6 +326,93 @@ class NativeS3Getter:
             connection.close()
             self._forget(endpoint)
             raise
+
+    # Uploads. Each takes its body from a local file (FileRange) and returns what S3 answered.
+
+    def put_object(self, bucket: str, key: str, body: FileRange, headers: dict[str, str]) -> dict[str, str]:
+        """One PUT of the whole object (`headers`: x-amz-meta-* and the like); the answer's headers."""
+        response, _ = self._small("PUT", bucket, key, "", headers, body)
+        return response.headers
+
+    def create_multipart_upload(self, bucket: str, key: str, headers: dict[str, str]) -> str:
+        """A new multipart upload of `key` (its metadata in `headers`); its upload id."""
+        _, answer = self._small("POST", bucket, key, _query({"uploads": ""}), headers)
+        found = re.search(rb"<UploadId>([^<]+)</UploadId>", answer)
+        if found is None:
+            raise NotHandled("a CreateMultipartUpload answer without an UploadId")
+        return unescape(found.group(1).decode())
+
+    def upload_part(self, bucket: str, key: str, upload_id: str, number: int, body: FileRange) -> str:
+        """Part `number` (from 1) of the upload; its ETag, for the completion."""
+        query = _query({"partNumber": str(number), "uploadId": upload_id})
+        try:
+            response, _ = self._small("PUT", bucket, key, query, {}, body)
+        except S3ServerError as exc:
+            if exc.response["Error"]["Code"] == "BadDigest":  # the bytes changed on the way: send again
+                raise ConnectionResetError(errno.EIO, f"part {number} arrived altered (BadDigest)") from exc
+            raise
+        etag = response.headers.get("etag")
+        if not etag:
+            raise NotHandled("an UploadPart answer without an ETag")
+        return etag
+
+    def complete_multipart_upload(
+        self, bucket: str, key: str, upload_id: str, etags: list[str]
+    ) -> dict[str, str]:
+        """Puts the object in place from its parts (ETags in part order), in one step: until then, the
+        object at `key` is whatever was there before. The answer's fields (ETag, ...)."""
+        parts = "".join(
+            f"<Part><PartNumber>{n}</PartNumber><ETag>{escape(etag)}</ETag></Part>"
+            for n, etag in enumerate(etags, start=1)
+        )
+        body = f"<CompleteMultipartUpload>{parts}</CompleteMultipartUpload>".encode()
+        _, answer = self._small("POST", bucket, key, _query({"uploadId": upload_id}), {}, body)
+        return {name.decode(): unescape(value.decode()) for name, value in _FIELD.findall(answer)}
+
+    def abort_multipart_upload(self, bucket: str, key: str, upload_id: str) -> None:
+        """Drops the upload and the parts it holds (the object at `key` is untouched)."""
+        self._small("DELETE", bucket, key, _query({"uploadId": upload_id}), {})
+
+    def _small(
+        self,
+        method: str,
+        bucket: str,
+        key: str,
+        query: str,
+        headers: dict[str, str],
+        body: FileRange | bytes | None = None,
+    ) -> tuple[_Response, bytes]:
+        """A request whose answer is small (headers, an XML document): the answer and its body; an error
+        answer raised as its exception. S3 may answer 200 with an error document (CompleteMultipartUpload
+        that failed after it started): raised too."""
+        endpoint, connection, response = self._request(method, bucket, key, query, headers, body)
+        try:
+            answer = self._small_body(connection, response)
+        except BaseException:
+            connection.close()
+            self._forget(endpoint)
+            raise
+        if response.headers.get("x-pffs-unread-body"):
+            connection.close()  # the answer came before all the body was sent: the stream is out of step
+            self._forget(endpoint)
+        else:
+            self._keep_or_close(endpoint, connection, response)
+        if response.status in (301, 302, 307, 308, 400) and not answer:
+            raise NotHandled(f"HTTP {response.status} to a {method}")
+        if response.status not in (200, 204) or (response.status == 200 and b"<Error>" in answer[:512]):
+            _raise_for(response.status, answer)
+        return response, answer
+
+    def _small_body(self, connection: _Connection, response: _Response) -> bytes:
+        headers = response.headers
+        if "chunked" in headers.get("transfer-encoding", ""):
+            return _receive_chunked(connection.sock, response.early_body, self.read_timeout)
+        length = int(headers.get("content-length", "0"))
+        if length > MAX_ERROR_BODY:
+            raise NotHandled("answer too long")
+        return response.early_body + _receive(
+            connection.sock, length - len(response.early_body), self.read_timeout
+        )
 
     def _keep_or_close(self, endpoint: BucketEndpoint, connection: _Connection, response: _Response) -> None:
         if response.headers.get("connection", "").lower() == "close":
@@ -333,10 +446,23 @@ class NativeS3Getter:
     # Each wait on the socket gets the read timeout, or what is left of the call's deadline if less.
 
     @staticmethod
-    def _exchange(connection: _Connection, wire: bytes, read_timeout: float) -> _Response:
+    def _exchange(
+        connection: _Connection, wire: bytes, read_timeout: float, body: FileRange | bytes | None = None
+    ) -> _Response:
         sock = connection.sock
         sock.settimeout(timeout_left(read_timeout))
-        sock.sendall(wire)
+        unsent = False
+        if isinstance(body, bytes):
+            sock.sendall(wire + body)
+        else:
+            sock.sendall(wire)
+            if body is not None:
+                try:
+                    body.send(sock, read_timeout)
+                except (BrokenPipeError, ConnectionResetError):
+                    # The server answered (403, 404, ...) and closed before taking the whole body: read
+                    # its answer, if it sent one, for what went wrong; else this is a lost connection.
+                    unsent = True
         received = bytearray()
         while True:
             sock.settimeout(timeout_left(read_timeout))
@@ -360,6 +486,8 @@ class NativeS3Getter:
         for line in lines[1:]:
             name, _, value = line.partition(":")
             headers[name.strip().lower()] = value.strip()
+        if unsent:
+            headers["x-pffs-unread-body"] = "1"
         return _Response(int(parts[1]), headers, bytes(received[end + 4 :]))
 
     def _body(
@@ -399,6 +527,82 @@ class NativeS3Getter:
             filled += n
         if etag and got is not None and got != etag:
             raise ObjectChangedError("")  # the caller names the URL
+
+
+@dataclass(frozen=True)
+class FileRange:
+    """Bytes [offset, offset + length) of a local file: the body of an upload, sent from the file to the
+    socket by the kernel (sendfile) and hashed from a memory map, never copied through Python."""
+
+    path: str
+    offset: int
+    length: int
+
+    def __len__(self) -> int:
+        return self.length
+
+    def md5(self) -> str:
+        """Base64 of the bytes' MD5 (a Content-MD5 header)."""
+        digest = hashlib.md5(usedforsecurity=False)
+        if self.length:
+            start = self.offset - self.offset % mmap.ALLOCATIONGRANULARITY
+            with open(self.path, "rb") as f:
+                if os.fstat(f.fileno()).st_size < self.offset + self.length:
+                    raise OSError(errno.EIO, f"{self.path}: shorter than the {self.length} bytes to send")
+                with mmap.mmap(
+                    f.fileno(), self.offset + self.length - start, offset=start, access=mmap.ACCESS_READ
+                ) as mapped:
+                    view = memoryview(mapped)
+                    try:
+                        digest.update(view[self.offset - start :])  # hashlib releases the GIL
+                    finally:
+                        view.release()
+        return base64.b64encode(digest.digest()).decode()
+
+    def send(self, sock: socket.socket, read_timeout: float) -> None:
+        with open(self.path, "rb") as f:
+            sent = 0
+            while sent < self.length:
+                sock.settimeout(timeout_left(read_timeout))
+                n = sock.sendfile(f, self.offset + sent, self.length - sent)
+                if n == 0:
+                    raise OSError(errno.EIO, f"{self.path}: shorter than the {self.length} bytes to send")
+                sent += n
+
+
+def _query(params: dict[str, str]) -> str:
+    """A query string in SigV4's canonical form (sorted, encoded), sent as it is signed."""
+    return "&".join(f"{quote(k, safe='-_.~')}={quote(v, safe='-_.~')}" for k, v in sorted(params.items()))
+
+
+_FIELD = re.compile(rb"<(ETag|Location|Bucket|Key|VersionId)>([^<]*)</\1>")
+
+
+def _receive_chunked(sock: socket.socket, early: bytes, read_timeout: float) -> bytes:
+    """A small answer body sent with Transfer-Encoding: chunked (no trailers)."""
+    buffer = bytearray(early)
+
+    def fill(count: int) -> None:
+        while len(buffer) < count:
+            sock.settimeout(timeout_left(read_timeout))
+            chunk = sock.recv(65536)
+            if not chunk:
+                raise ConnectionResetError(errno.ECONNRESET, "S3 closed the connection mid-answer")
+            buffer.extend(chunk)
+
+    body = bytearray()
+    at = 0
+    while True:
+        while (end := buffer.find(b"\r\n", at)) < 0:
+            fill(len(buffer) + 1)
+        size = int(bytes(buffer[at:end]).split(b";")[0], 16)
+        fill(end + 2 + size + 2)  # the chunk and the CRLF after it (after the last, empty one: the end)
+        if size == 0:
+            return bytes(body)
+        body += buffer[end + 2 : end + 2 + size]
+        if len(body) > MAX_ERROR_BODY:
+            raise NotHandled("answer too long")
+        at = end + 2 + size + 2
 
 
 class _EmptyAnswer(Exception):
