@@ -327,3 +327,18 @@ def test_stats_of_a_cold_epoch_served_by_the_prefetch_read_as_what_happened(
     drop_page_cache()
     table = pffs("stats", "--cache-dir", str(tmp_path / "cache")).stdout
     assert f"120: 0 hits, {ahead} prefetch hits, {misses} misses" in table, table
+
+
+def test_a_read_write_mount_of_a_missing_local_folder_makes_it_and_says_so(tmp_path: Path) -> None:
+    (tmp_path / "datasets" / "imagenet").mkdir(parents=True)
+    source = tmp_path / "datasets" / "imagnet"
+    mount = Mount(str(source), tmp_path / "mnt", tmp_path / "cache", dict(os.environ))
+    try:
+        lines = start(mount).splitlines()
+        assert lines[1:] == [
+            f"pffs: warning: {source} did not exist: made it, empty; did you mean "
+            f"{tmp_path / 'datasets' / 'imagenet'}? (then pffs umount {mount.path} and mount that)"
+        ], lines
+        assert source.is_dir()
+    finally:
+        mount.kill()
