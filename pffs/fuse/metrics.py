@@ -66,6 +66,11 @@ class MountCollector(Collector):
         yield CounterMetricFamily(
             "pffs_upload_failures", "uploads that failed", value=report["upload_failures"]
         )
+        yield CounterMetricFamily(
+            "pffs_killed_writes",
+            "files not uploaded because their writer was killed by a signal (kept in staging/killed)",
+            value=report.get("killed_writes", 0),
+        )
         yield GaugeMetricFamily("pffs_open_files", "open file handles", value=report["open_files"])
         yield CounterMetricFamily(
             "pffs_files_prefetched",

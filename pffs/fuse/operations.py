@@ -30,6 +30,14 @@ from pffs.backends.posix_metadata import PosixAttributes
 from pffs.backends.retry import describe
 from pffs.fuse.options import MountOptions
 from pffs.fuse.workers import WorkerThreads
+from pffs.fuse.writer_process import (
+    device_of,
+    holds_for_writing,
+    killing_signal,
+    process_command,
+    process_of,
+    signal_name,
+)
 from pffs.vfs import OpenObject
 from pffs.vfs.dir_prefetch import DirectoryPrefetcher
 from pffs.vfs.inodes import ROOT_INODE, InodeTable
@@ -94,6 +102,9 @@ class FileHandle:
     reader: OpenObject | None = None  # reading a stored version
     staged: StagedFile | None = None  # writing, or reading a file being written
     writable: bool = False
+    # The process that opened it for writing (its thread group): if that process is dying from a signal
+    # when a FLUSH comes, what it wrote is kept aside, not uploaded (pffs.fuse.writer_fate).
+    writer: int | None = None
     # Opened for writing without O_TRUNC: the stored bytes are copied into staging at the first write,
     # not at open (a program that opens r+ and only reads never pays for the copy).
     staging_lock: trio.Lock = field(default_factory=trio.Lock)
@@ -116,6 +127,7 @@ class Operations(pyfuse3.Operations):
         self._mtime_set: dict[str, int] = {}  # utimens on stored objects (S3 cannot store it)
         # What an entry without a time of its own (an S3 prefix) shows, rather than 1970-01-01.
         self._mounted_ns = time.time_ns()
+        self._mount_device: str | None = None
         # Two sets of threads, so reads never queue behind slow backend calls (uploads, listings).
         self.backend_threads = WorkerThreads("pffs-backend", max(4, options.cache.fetch_workers))
         self.read_threads = WorkerThreads("pffs-read", READ_THREADS)
@@ -552,12 +564,13 @@ class Operations(pyfuse3.Operations):
                 if not flags & os.O_TRUNC:
                     raise
             self._opened_version.pop(inode, None)
+            writer = process_of(ctx.pid)
             if flags & os.O_TRUNC or self.staging.get(path) is not None:
                 staged = await self._backend(self._open_staged, path, bool(flags & os.O_TRUNC))
-                self.files[fh] = FileHandle(path, inode, staged=staged, writable=True)
+                self.files[fh] = FileHandle(path, inode, staged=staged, writable=True, writer=writer)
             else:
                 reader = self.vfs.open_version(await self._stat(path))
-                self.files[fh] = FileHandle(path, inode, reader=reader, writable=True)
+                self.files[fh] = FileHandle(path, inode, reader=reader, writable=True, writer=writer)
             return pyfuse3.FileInfo(fh=fh, keep_cache=False)
         if self.staging.get(path) is not None:  # being written here: read what was written
             self.files[fh] = FileHandle(path, inode, staged=self.staging.open(path))
@@ -601,7 +614,7 @@ class Operations(pyfuse3.Operations):
         self.inodes.detach(path)  # a new file, whatever the kernel knew there: a new number
         info = self.ns.stat(path)
         inode = self.inodes.remember(path, info)
-        self.files[fh] = FileHandle(path, inode, staged=staged, writable=True)
+        self.files[fh] = FileHandle(path, inode, staged=staged, writable=True, writer=process_of(ctx.pid))
         return pyfuse3.FileInfo(fh=fh), self.attributes(inode, info)
 
     @fuse_errors
@@ -637,15 +650,65 @@ class Operations(pyfuse3.Operations):
 
     @fuse_errors
     async def flush(self, fh: int) -> None:
-        # close(2) of a written file returns after its upload, and reports an upload failure.
+        # close(2) of a written file returns after its upload, and reports an upload failure. A close
+        # because the writer is dying from a signal publishes nothing, and the close of one of several
+        # descriptors of the file waits for the last (pffs.fuse.writer_process).
         handle = self.files.get(fh)
-        if handle is not None and handle.writable and handle.staged is not None and handle.staged.dirty:
-            await self._backend(self.staging.upload, handle.staged)
-            self._changed_here(handle.staged.path)
+        staged = self._written(handle)
+        if handle is None or staged is None:
+            return
+        killed_by = killing_signal(handle.writer)
+        if killed_by is not None:
+            await self._abandon(handle, staged, killed_by)
+        elif not holds_for_writing(handle.writer, self._device(), handle.inode):
+            await self._publish(staged)
 
     @fuse_errors
     async def fsync(self, fh: int, datasync: bool) -> None:
-        await self.flush(fh)
+        staged = self._written(self.files.get(fh))
+        if staged is not None:
+            await self._publish(staged)
+
+    def _written(self, handle: FileHandle | None) -> StagedFile | None:
+        """The handle's staged file if it holds writes not uploaded yet; OSError if it cannot be uploaded."""
+        if handle is None or not handle.writable or handle.staged is None:
+            return None
+        staged = handle.staged
+        if staged.abandoned:
+            raise OSError(
+                errno.EIO,
+                f"{staged.url} was not uploaded: a process writing it was killed; what was written is "
+                f"kept in {staged.data_path}; write the file again",
+            )
+        return staged if staged.dirty else None
+
+    async def _publish(self, staged: StagedFile) -> None:
+        await self._backend(self.staging.upload, staged)
+        self._changed_here(staged.path)
+
+    def _device(self) -> str | None:
+        """This mount's "major:minor" (known once mounted), to find its files among a process's."""
+        if self._mount_device is None:
+            self._mount_device = device_of(str(self.options.mountpoint))
+        return self._mount_device
+
+    async def _abandon(self, handle: FileHandle, staged: StagedFile, killed_by: int) -> None:
+        """The writer is dying from a signal: its partial file must not replace the stored object."""
+        assert handle.writer is not None
+        command = process_command(handle.writer)
+        details = {"pid": handle.writer, "command": command, "signal": signal_name(killed_by)}
+        kept = await self._backend(self.staging.abandon, staged, details)
+        self._changed_here(staged.path)  # the kernel was shown the staged size: look again
+        log.warning(
+            "%s was not uploaded: its writer (pid %d, %s) was killed by %s before closing it, so the stored "
+            "object is unchanged; the %d bytes written are kept in %s (delete them when done)",
+            staged.url,
+            handle.writer,
+            command,
+            signal_name(killed_by),
+            os.path.getsize(kept),
+            kept,
+        )
 
     @fuse_errors
     async def release(self, fh: int) -> None:
@@ -735,6 +798,7 @@ class Operations(pyfuse3.Operations):
             "uploads_pending": len(self.staging.pending()),
             "uploads_done": self.staging.uploads_done,
             "upload_failures": self.staging.upload_failures,
+            "killed_writes": self.staging.killed_writes,
             "open_files": len(self.files),
             "files_prefetched": self.prefetcher.files_prefetched if self.prefetcher else 0,
             "inodes": len(self.inodes),

@@ -42,6 +42,7 @@ class StagedFile:
         self.generation = 0
         self.uploaded_generation = 0
         self.removed = False  # unlinked while open: never uploaded
+        self.abandoned = False  # a writer died from a signal: never uploaded, its bytes kept aside
         self.mtime_ns: int | None = None  # the last write's, or what utimens set after it
         self.ctime_ns: int | None = None
         # Stored with the upload where the mount keeps POSIX attributes (None: it does not); its times
@@ -50,7 +51,7 @@ class StagedFile:
 
     @property
     def dirty(self) -> bool:
-        return self.generation != self.uploaded_generation and not self.removed
+        return self.generation != self.uploaded_generation and not (self.removed or self.abandoned)
 
     @property
     def sidecar(self) -> Path:
@@ -99,6 +100,8 @@ class StagedFile:
 
     def discard(self) -> None:
         os.close(self.fd)
+        if self.abandoned:
+            return  # kept for inspection (Staging.abandon)
         for leftover in (self.data_path, self.sidecar):
             leftover.unlink(missing_ok=True)
 
@@ -112,6 +115,12 @@ class Staging:
         self._lock = threading.Lock()
         self.uploads_done = 0
         self.upload_failures = 0
+        self.killed_writes = 0  # files whose writer died from a signal: kept, not uploaded
+
+    @property
+    def killed_directory(self) -> Path:
+        """Where the bytes of files whose writer was killed are kept, one .data and .json per file."""
+        return self.directory / "killed"
 
     def leftovers(self) -> list[dict[str, str]]:
         """Staged files of earlier processes that were never uploaded: [{url, path, data}]."""
@@ -209,6 +218,27 @@ class Staging:
         if closed:
             self.upload(staged)
         return True
+
+    def abandon(self, staged: StagedFile, details: dict[str, object]) -> Path:
+        """A writer of the file died from a signal before closing it: the file is never uploaded (the stored
+        object stays as it was) and leaves the paths being written, so the next open reads the stored object.
+        Its bytes move to `killed_directory` with a sidecar of `details`; returns the data's new place."""
+        with self._lock:
+            if self._files.get(staged.path) is staged:
+                del self._files[staged.path]
+        with staged.lock:
+            if staged.abandoned:
+                return staged.data_path
+            self.killed_directory.mkdir(exist_ok=True)
+            kept = self.killed_directory / staged.data_path.name
+            os.rename(staged.data_path, kept)  # the open descriptor follows the file
+            staged.sidecar.unlink(missing_ok=True)
+            staged.data_path = kept
+            staged.abandoned = True
+            record = {"url": staged.url, "path": staged.path, "size": staged.size(), **details}
+            staged.sidecar.write_text(json.dumps(record))
+        self.killed_writes += 1
+        return kept
 
     def remove(self, path: str) -> None:
         """The path was unlinked: its staged data is never uploaded."""
