@@ -16,11 +16,11 @@ from glob import has_magic
 from typing import Any
 
 from fsspec.implementations.chained import ChainedFileSystem
-from fsspec.spec import AbstractBufferedFile
+from fsspec.spec import AbstractBufferedFile, _Cached
 
 from pffs.backends.backend import ObjectInfo
 from pffs.backends.urls import open_backend, split_url
-from pffs.sdk.hugging_face import refuse_chained_streaming
+from pffs.sdk.hugging_face import chained_options_from_datasets, refuse_chained_streaming
 from pffs.sdk.options import (
     CACHE_FIELDS,
     backend_options,
@@ -46,7 +46,18 @@ def _unwrap_chained(
     return target_options, target_protocol
 
 
-class PffsFileSystem(ChainedFileSystem):
+class _MadeWithOptionsFromDatasets(_Cached):
+    """fsspec's instance-caching metaclass, which first gives a pffs layer made for a chained URL the pffs
+    options Hugging Face `datasets` dropped on the way (see pffs.sdk.hugging_face): added to the arguments
+    here, before fsspec's cache key is computed, so two loads with other options get two filesystems."""
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        if "fo" in kwargs:
+            kwargs = {**chained_options_from_datasets(), **kwargs}  # what the layer was given wins
+        return super().__call__(*args, **kwargs)
+
+
+class PffsFileSystem(ChainedFileSystem, metaclass=_MadeWithOptionsFromDatasets):
     protocol = "pffs"
     root_marker = ""
 
