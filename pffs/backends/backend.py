@@ -190,6 +190,11 @@ class Backend:
         self._call("put", lambda: self.fs.put_file(local_path, path, **extra, **self._wait()), path, size)
         self.invalidate(path)
 
+    def start_upload(self, local_path: str, path: str) -> GrowingUpload:
+        """An upload of a local file that is still being written (only appended to): see GrowingUpload.
+        Here, all at `finish` (upload); S3 sends each part as soon as it is written."""
+        return GrowingUpload(self, local_path, path)
+
     def write_bytes(self, path: str, data: bytes, attributes: PosixAttributes | None = None) -> None:
         """Puts a small object (a marker, a record, a symlink) at path in one request."""
         extra = self._metadata_arguments(attributes)
@@ -562,12 +567,23 @@ class S3Backend(Backend):
             for future in futures:
                 future.cancel()
             concurrent.futures.wait(futures)  # parts still being sent end (each within its deadline)
-            try:  # the parts sent are dropped; the object at the path was never touched
-                self._call("delete", lambda: native.abort_multipart_upload(bucket, key, upload_id), path)
-            except Exception as exc:  # the upload's own error is the one to raise
-                log.warning("%s: could not abort the failed multipart upload %s: %s", self.url(path),
-                            upload_id, describe(exc))  # fmt: skip
+            self._abort(native, bucket, key, upload_id, path)
             raise
+
+    def _abort(self, native: NativeS3Getter, bucket: str, key: str, upload_id: str, path: str) -> None:
+        """Drops a multipart upload that will not be completed (the object at the path was never touched),
+        or says so in the log: its parts then wait for the bucket's lifecycle rule."""
+        try:
+            self._call("delete", lambda: native.abort_multipart_upload(bucket, key, upload_id), path)
+        except Exception as exc:  # the upload's own error is the one to raise
+            log.warning("%s: could not abort the failed multipart upload %s: %s", self.url(path), upload_id,
+                        describe(exc))  # fmt: skip
+
+    def start_upload(self, local_path: str, path: str) -> GrowingUpload:
+        native = self._native_getter() if self.native_puts else None
+        if native is None:
+            return GrowingUpload(self, local_path, path)
+        return _S3GrowingUpload(self, native, local_path, path)
 
     def _upload_pool(self) -> concurrent.futures.ThreadPoolExecutor:
         """Threads sending parts, UPLOAD_CONCURRENCY per backend (each its own connection), shared by the
@@ -717,6 +733,98 @@ class S3Backend(Backend):
                 self._call("delete", partial(self._s3, "delete_object", Bucket=bucket, Key=marker), path)
         self._marked.discard(path)
         self.invalidate(path)
+
+
+class GrowingUpload:
+    """The upload of a local file while it is being written, for a writer that only appends to it (a
+    checkpoint): `written(size)` after each write (the file then holds `size` bytes, flushed to the OS),
+    then `finish()` once the file is closed, which puts it at `path` whole, or `abort()`, which leaves the
+    object at `path` as it was. `rewritten()` says the writer went back into what it had written: what
+    was sent is then dropped, and `finish` uploads the whole file."""
+
+    def __init__(self, backend: Backend, local_path: str, path: str) -> None:
+        self.backend, self.local_path, self.path = backend, local_path, path
+
+    def written(self, size: int) -> None:
+        pass
+
+    def rewritten(self) -> None:
+        pass
+
+    def finish(self) -> None:
+        self.backend.upload(self.local_path, self.path)
+
+    def abort(self) -> None:
+        pass
+
+
+class _S3GrowingUpload(GrowingUpload):
+    """Each part is sent as soon as the file holds it (on the backend's part threads), so the upload runs
+    while the writer writes; `finish` sends the rest and completes the multipart upload. A file no larger
+    than one part goes in one PUT at `finish`."""
+
+    def __init__(self, backend: S3Backend, native: NativeS3Getter, local_path: str, path: str) -> None:
+        super().__init__(backend, local_path, path)
+        self.s3, self.native = backend, native
+        self.bucket, self.key = backend._split(path)
+        self.part = max(MIN_PART_SIZE, backend.upload_part_size)
+        self.upload_id: str | None = None
+        self.futures: list[concurrent.futures.Future[str]] = []
+        self.sent = 0  # bytes handed to the part threads
+        self.whole = False  # rewritten: upload the whole file at finish
+
+    def written(self, size: int) -> None:
+        if self.whole:
+            return
+        # A part is sent once the file holds more than it: the last part (maybe small) waits for finish.
+        while size - self.sent > self.part:
+            self._send(self.part)
+        for future in self.futures:  # a part that failed for good fails the write now, not at the end
+            if future.done() and future.exception() is not None:
+                future.result()
+
+    def _send(self, length: int) -> None:
+        if self.upload_id is None:
+            self.upload_id = self.s3._call(
+                "put", lambda: self.native.create_multipart_upload(self.bucket, self.key, {}), self.path
+            )
+        body = FileRange(self.local_path, self.sent, length)
+        number = len(self.futures) + 1
+        send = partial(self.native.upload_part, self.bucket, self.key, self.upload_id, number, body)
+        self.futures.append(self.s3._upload_pool().submit(self.s3._call, "put", send, self.path, length))
+        self.sent += length
+
+    def rewritten(self) -> None:
+        self.abort()
+        self.whole = True
+
+    def finish(self) -> None:
+        if self.whole or self.upload_id is None:  # nothing sent yet: as any upload
+            self.s3.upload(self.local_path, self.path)
+            return
+        try:
+            size = os.path.getsize(self.local_path)
+            while size - self.sent > 0:
+                self._send(min(self.part, size - self.sent))
+            etags = [future.result() for future in self.futures]
+            upload_id = self.upload_id
+            self.s3._call(
+                "put",
+                lambda: self.native.complete_multipart_upload(self.bucket, self.key, upload_id, etags),
+                self.path,
+            )
+        except BaseException:
+            self.abort()
+            raise
+        self.s3.invalidate(self.path)
+
+    def abort(self) -> None:
+        for future in self.futures:
+            future.cancel()
+        concurrent.futures.wait(self.futures)
+        upload_id, self.upload_id, self.futures, self.sent = self.upload_id, None, [], 0
+        if upload_id is not None:
+            self.s3._abort(self.native, self.bucket, self.key, upload_id, self.path)
 
 
 ATTRIBUTES_MARKER = ".pffs-attributes"

@@ -16,7 +16,9 @@ What a save guarantees, for one save at a time to a path (two at once to the sam
 
 * Each save writes its shards under names of its own, `__<save id>_<rank>_<n>.distcp`, the id chosen by
   the coordinator for every rank (`prepare_global_plan`): no save writes over a shard of another. A shard
-  is written to local disk (the cache's) and uploaded in one piece, so it is whole or absent.
+  is written to local disk (the cache's), each part of it uploaded as soon as it is written (an S3
+  multipart upload), and put in place in one step once the whole shard is written and uploaded (the
+  upload's completion): so it is whole or absent.
 * `.metadata` is written last, by the coordinator in `finish` — which torch calls only once every rank's
   `write_data` has returned — after it has checked that every shard it names is in the store and long
   enough for the bytes it names. It is one PUT (on local files: written beside and renamed), so a reader
@@ -43,7 +45,7 @@ import pickle
 import posixpath
 import re
 import uuid
-from collections.abc import Generator, Iterator
+from collections.abc import Generator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, cast
@@ -62,6 +64,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from pffs.sdk.filesystem import PffsFileSystem
 from pffs.sdk.helpers import filesystem_for, parse_url
+from pffs.torch.uploads import uploading
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +74,8 @@ _SHARD = re.compile(r"__.*\.distcp")  # torch's shard names, and ours
 
 class _PffsStorage(FileSystemBase):
     """torch's file-system interface on a pffs filesystem. Paths are the backend's own (bucket/key).
-    Written files are staged on local disk and uploaded in one piece when they close without an error."""
+    Written files are staged on local disk, uploaded while they are written, and put in place in one
+    piece when they close without an error (pffs.torch.uploads)."""
 
     def __init__(self, fs: PffsFileSystem, scheme: str) -> None:
         self.fs = fs
@@ -86,29 +90,8 @@ class _PffsStorage(FileSystemBase):
             with self.fs.open(path, "rb") as f:
                 yield cast(io.IOBase, f)
             return
-        with self.staged(path) as staged, open(staged, mode) as f:
+        with uploading(self.fs, path) as f:
             yield cast(io.IOBase, f)
-
-    @contextmanager
-    def staged(self, path: str) -> Iterator[str]:
-        """A local file to write, put at `path` in one piece if the block ends without an error (a local
-        target: renamed over it, else uploaded), and removed in any case."""
-        # A local target: beside it (a rename is atomic); else on the cache's disk.
-        folder = (
-            Path(posixpath.dirname(path)) if self.local else Path(self.fs.vfs.settings.cache_dir) / "staging"
-        )
-        folder.mkdir(parents=True, exist_ok=True)
-        staged = str(folder / f".{posixpath.basename(path)}.{uuid.uuid4().hex}.tmp")
-        try:
-            yield staged
-            if self.local:
-                os.replace(staged, path)
-                self.fs.invalidate_cache(path)
-            else:
-                self.fs.put_file(staged, path)
-        finally:
-            if os.path.exists(staged):
-                os.unlink(staged)
 
     def concat_path(self, path: str | os.PathLike[str], suffix: str) -> str:
         return posixpath.join(os.fspath(path), suffix)
@@ -212,7 +195,7 @@ class Writer(FileSystemWriter):
         metadata.storage_data = {wr.index: wr.storage_data for wrs in results for wr in wrs}
         metadata.storage_meta = self.storage_meta()
         named = self._check_shards(metadata.storage_data)
-        with self.storage.staged(self._metadata_path()) as staged, open(staged, "wb") as f:
+        with uploading(self.storage.fs, self._metadata_path()) as f:
             pickle.dump(metadata, f)
         self._remove_shards_but(named)
 
