@@ -52,6 +52,7 @@ def one_line(result: subprocess.CompletedProcess[str]) -> str:
         (["mount", "s3://b", "/mnt/x", "--read-olny"], "--read-olny (did you mean --read-only?)"),
         (["umount", "/mnt/x", "--lazzy"], "--lazzy (did you mean --lazy?); see pffs umount --help"),
         (["mout", "s3://b", "/mnt/x"], "unknown command 'mout' (did you mean 'mount'?); see pffs --help"),
+        (["mout", "s3://b", "/mnt/x", "--read-only"], "unknown command 'mout' (did you mean 'mount'?)"),
         (["cache", "clr"], "unknown action 'clr' (did you mean 'clear'?); see pffs cache --help"),
         (["ls"], "the following arguments are required: URL; see pffs ls --help"),
         (["ls", "s3://b", "--frobnicate"], "unrecognized arguments: --frobnicate; see pffs ls --help"),

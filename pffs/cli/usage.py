@@ -50,7 +50,8 @@ class CommandLineParser(argparse.ArgumentParser):
         try:
             parsed, extras = self.parse_known_args(argv, namespace)
             if extras:
-                raise _Wrong(chosen_parser(self, parsed), f"unrecognized arguments: {' '.join(extras)}")
+                chosen = chosen_parser(self, parsed)
+                raise _Wrong(chosen, unrecognized(_option_strings(chosen), extras))
         except _Wrong as wrong:
             if not outermost:
                 raise
@@ -74,20 +75,30 @@ def chosen_parser(parser: argparse.ArgumentParser, parsed: argparse.Namespace) -
             return parser
 
 
+def unrecognized(options: set[str], words: Sequence[str]) -> str:
+    """'unrecognized arguments: --endpont-url (did you mean --endpoint-url?)': each option with the nearest
+    of `options`, if one is near. Only the options, if there are any: the other words left over are most
+    likely the values of those (`--endpont-url URL SOURCE MOUNTPOINT` takes URL for SOURCE, and leaves
+    MOUNTPOINT over)."""
+    options_given = [word for word in words if word[:1] == "-" and len(word) > 1]
+    hints = []
+    for word in options_given or words:
+        name = word.split("=", 1)[0] if word.startswith("--") else word
+        close = difflib.get_close_matches(name, sorted(options), n=1, cutoff=0.75) if word[:1] == "-" else []
+        hints.append(name + (f" (did you mean {close[0]}?)" if close else ""))
+    return f"unrecognized arguments: {' '.join(hints)}"
+
+
 def explain(
     top: argparse.ArgumentParser, parser: argparse.ArgumentParser, message: str, argv: Sequence[str]
 ) -> str:
-    """One line: an option nobody knows first (whatever argparse then tripped on: a misspelled option
-    before the command makes argparse take its value for the command), with the nearest real one."""
-    options = _option_strings(top) | _option_strings(parser)
-    unknown = [word for word in _option_words(argv) if not _known(word, options)]
-    if unknown:
-        hints = []
-        for word in unknown:
-            name = word.split("=", 1)[0]
-            close = difflib.get_close_matches(name, sorted(options), n=1, cutoff=0.75)
-            hints.append(name + (f" (did you mean {close[0]}?)" if close else ""))
-        message = f"unrecognized arguments: {', '.join(hints)}"
+    """One line for what argparse found wrong, with the nearest right spelling. An option no command knows
+    comes first, whatever argparse then tripped on: misspelled before the command, argparse takes its value
+    for the command ("invalid choice: 'http://...'")."""
+    known = _every_option_string(top)
+    unknown = [word for word in _option_words(argv) if not _known(word, known)]
+    if unknown and not message.startswith("unrecognized arguments:"):
+        message = unrecognized(known, unknown)
     elif found := _CHOICE.match(message):
         choices = re.findall(r"'([^']*)'", found["choices"])
         try:
@@ -108,6 +119,16 @@ def _option_strings(parser: argparse.ArgumentParser) -> set[str]:
     return {s for action in parser._actions for s in action.option_strings}
 
 
+def _every_option_string(parser: argparse.ArgumentParser) -> set[str]:
+    """The options of `parser` and of all its subcommands."""
+    found = _option_strings(parser)
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                found |= _every_option_string(sub)
+    return found
+
+
 def _option_words(argv: Sequence[str]) -> list[str]:
     words = []
     for word in argv:
@@ -123,5 +144,5 @@ def _known(word: str, options: set[str]) -> bool:
     if name in options:
         return True
     if name.startswith("--"):  # argparse takes a unique prefix of a long option
-        return sum(1 for o in options if o.startswith(name)) == 1
+        return any(o.startswith(name) for o in options)
     return name[:2] in options  # -vv, -d1: short options run together or with their value
