@@ -127,12 +127,12 @@ def _response(exc: BaseException) -> dict[str, Any] | None:
 
 def not_like_s3(exc: BaseException) -> str | None:
     """What the server answered, if the answer is not an S3 server's: an error without any x-amz-* header
-    and without an XML body (S3's errors are XML; AWS, MinIO, Ceph and SeaweedFS all send a request id),
-    as a plain web server's 404 page. None if it looks like S3's, or carries no headers to tell."""
+    and not XML (S3's errors are XML; AWS, MinIO, Ceph and SeaweedFS all send x-amz-request-id), as a
+    plain web server's 404 page. None if it looks like S3's, or carries no headers to tell."""
     response = _response(exc)
     meta = response.get("ResponseMetadata", {}) if response else {}
     headers = {str(k).lower(): str(v) for k, v in (meta.get("HTTPHeaders") or {}).items()}
-    if not headers or any(k.startswith("x-amz-") for k in headers):
+    if not headers or any(k.startswith(("x-amz-", "x-goog-")) for k in headers):  # (GCS's XML API: x-goog-)
         return None
     content_type = headers.get("content-type", "")
     if "xml" in content_type:
