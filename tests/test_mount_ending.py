@@ -272,6 +272,10 @@ def test_how_serving_ended_and_serving_failed_map_to_the_codes() -> None:
     assert how_serving_ended("SIGINT", True, where).code == ending.EXIT_UNMOUNTED
     assert how_serving_ended(None, False, where).code == ending.EXIT_UNMOUNTED_OUTSIDE
     assert how_serving_ended(None, True, where).code == ending.EXIT_CONNECTION_ABORTED
+    # `pffs umount --lazy`: the mount detached itself, and ended when the last process let go
+    lazy = how_serving_ended(None, False, where, detached=True)
+    assert lazy.code == ending.EXIT_UNMOUNTED and "pffs umount --lazy" in lazy.cause
+    assert how_serving_ended(None, True, where, detached=True).code == ending.EXIT_CONNECTION_ABORTED
     failed = serving_failed(KeyError("k"), where)
     assert failed.code == ending.EXIT_INTERNAL_ERROR and "KeyError" in failed.cause
 
