@@ -16,10 +16,11 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
         "stats",
         parents=[common],
         help="show cache statistics (of the cache directory, or of one mount)",
-        description="Without MOUNTPOINT: the disk cache's size and the hit, miss and eviction counters "
-        "added up over every process that read through this cache directory since it was made or "
-        "cleared. With MOUNTPOINT: that mount's own counters, its backend requests with latency "
-        "percentiles, and its pending uploads.",
+        description="Without MOUNTPOINT: the disk cache's size, its block reads (hits: cached before the "
+        "run asked; prefetch hits: fetched ahead, then served from the cache; misses: fetched while the "
+        "reader waited) and evictions, added up over every process that read through this cache directory "
+        "since it was made or cleared. With MOUNTPOINT: that mount's own counters, its backend requests "
+        "with latency percentiles, and its pending uploads.",
     )
     p.add_argument("mountpoint", metavar="MOUNTPOINT", nargs="?", help="a pffs mount")
     p.add_argument("--json", action="store_true", help="print JSON for machines")
