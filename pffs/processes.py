@@ -26,6 +26,18 @@ def is_alive(pid: object) -> bool:
         return False
 
 
+def catches(pid: int, signum: int) -> bool:
+    """True if process `pid` has a handler for signal `signum` (its SigCgt mask in /proc/PID/status)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("SigCgt:"):
+                    return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+    except (OSError, ValueError):
+        pass
+    return False
+
+
 # What a mount's processes show in `ps` (pffs.cli.mount_daemon sets them; never a credential)
 MOUNT_TITLE = "pffs mount"  # the serving process: "pffs mount SOURCE MOUNTPOINT"
 SUPERVISOR_TITLE = "pffs mount-supervisor"  # its parent, which reports how it ended

@@ -289,10 +289,14 @@ def umount(args: argparse.Namespace) -> int:
 
 def detach_lazily(path: Path, pid: int, used_by: str) -> int:
     """Has the mount detach itself (umount -l) and serve the processes that use it until they let go."""
-    from pffs.fuse.mountpoint import in_mount_table
+    from pffs.fuse.mountpoint import force_unmount, in_mount_table
     from pffs.fuse.options import DETACH_SIGNAL
+    from pffs.processes import catches
 
-    os.kill(pid, DETACH_SIGNAL)
+    if catches(pid, DETACH_SIGNAL):
+        os.kill(pid, DETACH_SIGNAL)
+    else:  # a mount started by an earlier pffs, which this signal would end: the kernel detaches it
+        force_unmount(path)
     deadline = time.monotonic() + DETACH_WAIT_S
     while in_mount_table(path) and time.monotonic() < deadline:
         time.sleep(0.05)
