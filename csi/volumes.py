@@ -265,10 +265,13 @@ class VolumeManager:
     ) -> None:
         """An inline (ephemeral) volume: the CO publishes without staging. Pods naming the same source with
         the same attributes and credentials share one mount, made here on the first and kept until the
-        last is unpublished."""
+        last is unpublished. Read-only publishes (the request's, or every container's volumeMount) share
+        a mount that is itself read-only, so nothing on the host can write through it either; read-write
+        ones share another."""
         attributes = parse_attributes(context, "inline volume attributes")
         credentials = parse_credentials(secrets, "node publish secret")
-        key = inline_key(attributes, credentials)
+        read_only = read_only or attributes.read_only or self.pods.mounts_read_only(pod, target_path)
+        key = inline_key(attributes, credentials, read_only)
         with self.locks.hold(f"inline:{key}", wait_s=self.config.mount_ready_timeout_s + 5):
             with self.state.lock:
                 staged = self.state.find_inline(key)
@@ -281,7 +284,7 @@ class VolumeManager:
                         context,
                         secrets,
                         capability="inline",
-                        read_only=False,
+                        read_only=read_only,
                         inline_key=key,
                     )
             with self.locks.hold(staged.staging_path, wait_s=30):
@@ -674,5 +677,8 @@ class VolumeManager:
             self.state.save()
 
 
-def inline_key(attributes: VolumeAttributes, credentials: Credentials) -> str:
-    return hashlib.sha256(f"{canonical(attributes)}\0{credentials.digest}".encode()).hexdigest()[:24]
+def inline_key(attributes: VolumeAttributes, credentials: Credentials, read_only: bool) -> str:
+    """Which inline mount a publish shares: one per source, attributes, credentials and read-only-ness
+    (keys of read-write mounts are those of earlier versions, which adopt them after an upgrade)."""
+    key = hashlib.sha256(f"{canonical(attributes)}\0{credentials.digest}".encode()).hexdigest()[:24]
+    return f"{key}-ro" if read_only else key

@@ -227,7 +227,13 @@ class Plugin(CsiPlugin):
         )
 
     def publish_inline(
-        self, volume_id: str, target: Path, context: dict[str, str], secrets: dict[str, str], pod: str
+        self,
+        volume_id: str,
+        target: Path,
+        context: dict[str, str],
+        secrets: dict[str, str],
+        pod: str,
+        readonly: bool = False,
     ) -> None:
         context = {
             **context,
@@ -244,6 +250,7 @@ class Plugin(CsiPlugin):
                 volume_capability=capability(AccessMode.SINGLE_NODE_WRITER),
                 volume_context=context,
                 secrets=secrets,
+                readonly=readonly,
             ),
             timeout=RPC_TIMEOUT,
         )
@@ -454,6 +461,43 @@ def test_inline_volumes_of_one_source_share_one_mount_until_the_last_pod_leaves(
     assert mounts_under(tmp_path) == [], mounts_under(tmp_path)
     assert not Path(path).exists()
     assert list((plugin.state_dir / "secrets").iterdir()) == []
+
+
+@pytest.mark.timeout(90)
+def test_read_only_inline_volumes_are_read_only_on_the_host_and_read_write_ones_get_their_own_mount(
+    plugin: Plugin, dataset: Dataset, raw_s3: s3fs.S3FileSystem, tmp_path: Path
+) -> None:
+    before = {key: sha256(raw_s3.cat(key)) for key in raw_s3.find(f"{dataset.bucket}/set")}
+    reader = target_path(tmp_path, "reader", "data")
+    plugin.publish_inline("csi-r0000001", reader, dataset.context, dataset.secrets, "reader", readonly=True)
+    ((ro_path, ro_record),) = plugin.staged().items()
+    assert ro_record["read_only"] is True
+    # The staging mount itself, on the host (not only the pod's bind), refuses writes.
+    for attempt in (
+        lambda: (Path(ro_path) / "host.bin").write_bytes(b"no"),
+        lambda: (Path(ro_path) / "small-0.bin").unlink(),
+        lambda: (Path(ro_path) / "hostdir").mkdir(),
+    ):
+        with pytest.raises(OSError) as caught:
+            attempt()
+        assert caught.value.errno == errno.EROFS, caught.value
+    assert_exact(reader, dataset)
+
+    writer = target_path(tmp_path, "writer", "data")
+    plugin.publish_inline("csi-w0000001", writer, dataset.context, dataset.secrets, "writer")
+    staged = plugin.staged()
+    assert len(staged) == 2 and staged[ro_path]["read_only"] is True, staged
+    [rw_record] = [r for p, r in staged.items() if p != ro_path]
+    assert rw_record["read_only"] is False and rw_record["pid"] != ro_record["pid"]
+    (writer / "from-writer.bin").write_bytes(b"written")
+    assert raw_s3.cat(f"{dataset.bucket}/set/from-writer.bin") == b"written"
+    raw_s3.invalidate_cache()
+    after = {key: sha256(raw_s3.cat(key)) for key in raw_s3.find(f"{dataset.bucket}/set")}
+    assert after == {**before, f"{dataset.bucket}/set/from-writer.bin": sha256(b"written")}
+
+    plugin.unpublish("csi-r0000001", reader)
+    plugin.unpublish("csi-w0000001", writer)
+    assert plugin.staged() == {}
 
 
 # 4. A mount that dies is mounted again in place
