@@ -351,3 +351,27 @@ def test_uploads_go_through_s3fs_where_the_native_client_cannot(
     backend.upload(str(local), f"{bucket}/fallback.bin")
     assert not backend.native_puts
     assert sha256(raw_s3.cat_file(f"{bucket}/fallback.bin")) == sha256(data)
+
+
+def test_native_listing_and_delete_see_what_s3fs_sees(raw_s3: Any, bucket: str, s3_server: SeaweedS3) -> None:
+    """The LIST a DCP save's finish makes (names and sizes right under a folder, page after page) and the
+    DELETE of its stale shards, through the native client: the same as s3fs sees, no s3fs client made."""
+    names = ["a.bin", "b b.bin", "c&d<e>.bin", "f+g.bin", "h.distcp", "i", "j.json"]
+    raw_s3.pipe({f"{bucket}/ck/{name}": b"x" * (i * 1000 + 1) for i, name in enumerate(names)})
+    raw_s3.pipe(f"{bucket}/ck/sub/deeper.bin", b"y")  # a folder: not listed
+    raw_s3.pipe(f"{bucket}/ckpt-other/k.bin", b"z")  # a sibling with the same prefix: not listed
+    backend = _backend(s3_server, True)
+    expected = {name: i * 1000 + 1 for i, name in enumerate(names)}
+    assert backend.sizes_under(f"{bucket}/ck") == expected
+    native = backend._native_getter()
+    assert native is not None
+    paged = native.list_sizes(bucket, "ck/", page=3)  # three pages
+    assert paged == {f"ck/{name}": size for name, size in expected.items()}
+    backend.remove(f"{bucket}/ck/c&d<e>.bin")
+    backend.remove(f"{bucket}/ck/never-was.bin")  # S3 answers the same
+    del expected["c&d<e>.bin"]
+    assert backend.sizes_under(f"{bucket}/ck/") == expected
+    assert backend._fs is None  # no s3fs client made
+    assert sorted(raw_s3.ls(f"{bucket}/ck", detail=False)) == sorted(
+        [f"{bucket}/ck/{name}" for name in expected] + [f"{bucket}/ck/sub"]
+    )

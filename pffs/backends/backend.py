@@ -170,6 +170,11 @@ class Backend:
         entries = self._call("list", lambda: self.fs.ls(path, detail=True, **self._wait()), path)
         return [self._to_info(e) for e in entries if not _folder_marker(e)]
 
+    def sizes_under(self, path: str) -> dict[str, int]:
+        """Name -> size of the files right under the folder `path`, as the store has them now."""
+        self.invalidate(path)
+        return {posixpath.basename(e.path): e.size for e in self.list_dir(path) if not e.is_dir}
+
     def find(self, path: str) -> list[ObjectInfo]:
         """Every object under path (recursive), from as few listing requests as the backend allows."""
         found = self._call("list", lambda: self.fs.find(path, detail=True, **self._wait()), path)
@@ -339,7 +344,7 @@ SLOWEST_TRANSFER_RATE = 10 << 20  # bytes per second
 
 # S3 uploads (S3Backend.upload): the part size of a multipart upload, and parts sent at once. Measured by
 # bench/dcp.py against a local SeaweedFS: see docs/benchmarks.
-UPLOAD_PART_SIZE = 16 << 20
+UPLOAD_PART_SIZE = 8 << 20
 UPLOAD_CONCURRENCY = 4
 MIN_PART_SIZE = 5 << 20  # S3's least part size (but the last)
 
@@ -503,6 +508,30 @@ class S3Backend(Backend):
 
     def find(self, path: str) -> list[ObjectInfo]:
         return [e for e in super().find(path) if not _is_attributes_marker(e.path)]
+
+    def remove(self, path: str) -> None:
+        native = self._native_getter() if self.native_puts else None
+        bucket, key = self._split(path)
+        if native is None or not key:
+            super().remove(path)
+            return
+        self._call("delete", lambda: native.delete_object(bucket, key), path)
+        self.invalidate(path)
+
+    def sizes_under(self, path: str) -> dict[str, int]:
+        """One LIST (a page per 1,000 keys) through the native client where it applies: no s3fs client
+        is made for it (a DCP save's finish)."""
+        native = self._native_getter() if self.native_puts else None
+        if native is None:
+            return super().sizes_under(path)
+        bucket, key = self._split(path)
+        prefix = key.strip("/") + "/" if key.strip("/") else ""
+        listed = self._call("list", lambda: native.list_sizes(bucket, prefix), path)
+        return {
+            name: size
+            for full, size in listed.items()
+            if (name := full[len(prefix) :]) and not _is_attributes_marker(name)
+        }
 
     def _mark_folder_of(self, path: str, attributes: PosixAttributes | None) -> None:
         """Before attributes are stored on `path`: the marker in its folder, once per process."""

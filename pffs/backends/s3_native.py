@@ -49,6 +49,7 @@ EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
 UNSIGNED_PAYLOAD = "UNSIGNED-PAYLOAD"  # a body the signature does not cover (its Content-MD5 does)
 MAX_HEADER_BYTES = 64 << 10
 MAX_ERROR_BODY = 64 << 10
+MAX_LIST_BODY = 16 << 20  # a page of 1,000 keys of up to 1,024 bytes, escaped
 CREDENTIALS_REFRESH_S = 60.0  # frozen credentials are asked of botocore again after this long
 
 
@@ -373,6 +374,32 @@ class NativeS3Getter:
         """Drops the upload and the parts it holds (the object at `key` is untouched)."""
         self._small("DELETE", bucket, key, _query({"uploadId": upload_id}), {})
 
+    def delete_object(self, bucket: str, key: str) -> None:
+        """Deletes the object (S3 answers the same whether it was there or not)."""
+        self._small("DELETE", bucket, key, "", {})
+
+    def list_sizes(self, bucket: str, prefix: str, page: int = 1000) -> dict[str, int]:
+        """Key -> size of the objects right under `prefix` (a folder: "a/b/"), a LIST per `page` keys."""
+        found: dict[str, int] = {}
+        token = ""
+        while True:
+            params = {"list-type": "2", "prefix": prefix, "delimiter": "/", "max-keys": str(page)}
+            if token:
+                params["continuation-token"] = token
+            _, answer = self._small("GET", bucket, "", _query(params), {}, limit=MAX_LIST_BODY)
+            for entry in _CONTENTS.findall(answer):
+                fields = dict(_ENTRY_FIELD.findall(entry))
+                if b"Key" not in fields or b"Size" not in fields:
+                    raise NotHandled("a listing entry without a Key or a Size")
+                found[unescape(fields[b"Key"].decode())] = int(fields[b"Size"])
+            truncated = re.search(rb"<IsTruncated>true</IsTruncated>", answer)
+            next_token = re.search(rb"<NextContinuationToken>([^<]+)</NextContinuationToken>", answer)
+            if not truncated:
+                return found
+            if next_token is None:
+                raise NotHandled("a truncated listing without a continuation token")
+            token = unescape(next_token.group(1).decode())
+
     def _small(
         self,
         method: str,
@@ -381,13 +408,14 @@ class NativeS3Getter:
         query: str,
         headers: dict[str, str],
         body: FileRange | bytes | None = None,
+        limit: int = MAX_ERROR_BODY,
     ) -> tuple[_Response, bytes]:
         """A request whose answer is small (headers, an XML document): the answer and its body; an error
         answer raised as its exception. S3 may answer 200 with an error document (CompleteMultipartUpload
         that failed after it started): raised too."""
         endpoint, connection, response = self._request(method, bucket, key, query, headers, body)
         try:
-            answer = self._small_body(connection, response)
+            answer = self._small_body(connection, response, limit)
         except BaseException:
             connection.close()
             self._forget(endpoint)
@@ -403,12 +431,12 @@ class NativeS3Getter:
             _raise_for(response.status, answer)
         return response, answer
 
-    def _small_body(self, connection: _Connection, response: _Response) -> bytes:
+    def _small_body(self, connection: _Connection, response: _Response, limit: int) -> bytes:
         headers = response.headers
         if "chunked" in headers.get("transfer-encoding", ""):
-            return _receive_chunked(connection.sock, response.early_body, self.read_timeout)
+            return _receive_chunked(connection.sock, response.early_body, self.read_timeout, limit)
         length = int(headers.get("content-length", "0"))
-        if length > MAX_ERROR_BODY:
+        if length > limit:
             raise NotHandled("answer too long")
         return response.early_body + _receive(
             connection.sock, length - len(response.early_body), self.read_timeout
@@ -576,9 +604,11 @@ def _query(params: dict[str, str]) -> str:
 
 
 _FIELD = re.compile(rb"<(ETag|Location|Bucket|Key|VersionId)>([^<]*)</\1>")
+_CONTENTS = re.compile(rb"<Contents>(.*?)</Contents>", re.S)
+_ENTRY_FIELD = re.compile(rb"<(Key|Size)>([^<]*)</\1>")
 
 
-def _receive_chunked(sock: socket.socket, early: bytes, read_timeout: float) -> bytes:
+def _receive_chunked(sock: socket.socket, early: bytes, read_timeout: float, limit: int) -> bytes:
     """A small answer body sent with Transfer-Encoding: chunked (no trailers)."""
     buffer = bytearray(early)
 
@@ -600,7 +630,7 @@ def _receive_chunked(sock: socket.socket, early: bytes, read_timeout: float) -> 
         if size == 0:
             return bytes(body)
         body += buffer[end + 2 : end + 2 + size]
-        if len(body) > MAX_ERROR_BODY:
+        if len(body) > limit:
             raise NotHandled("answer too long")
         at = end + 2 + size + 2
 

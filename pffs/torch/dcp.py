@@ -21,8 +21,9 @@ What a save guarantees, for one save at a time to a path (two at once to the sam
   upload's completion): so it is whole or absent.
 * `.metadata` is written last, by the coordinator in `finish` — which torch calls only once every rank's
   `write_data` has returned — after it has checked that every shard it names is in the store and long
-  enough for the bytes it names. It is one PUT (on local files: written beside and renamed), so a reader
-  sees the previous `.metadata` or the new one, whole.
+  enough for the bytes it names (one LIST of the folder, which S3 answers as consistently as a HEAD).
+  It is one PUT (on local files: written beside and renamed), so a reader sees the previous `.metadata`
+  or the new one, whole.
 * So a save that fails anywhere (any rank, any step, up to and including that PUT) leaves the previous
   checkpoint at the path exactly as it was and loadable: its `.metadata` and every shard it names are
   untouched. At worst the failed save's own shards are left beside it, unnamed by any `.metadata`.
@@ -194,15 +195,21 @@ class Writer(FileSystemWriter):
         metadata.version = CURRENT_DCP_VERSION
         metadata.storage_data = {wr.index: wr.storage_data for wrs in results for wr in wrs}
         metadata.storage_meta = self.storage_meta()
-        named = self._check_shards(metadata.storage_data)
+        listed = self._listing()
+        named = self._check_shards(metadata.storage_data, listed)
         with uploading(self.storage.fs, self._metadata_path()) as f:
             pickle.dump(metadata, f)
-        self._remove_shards_but(named)
+        self._remove_shards_but(named, listed)
 
     def _metadata_path(self) -> str:
         return self.storage.concat_path(self.path, METADATA)
 
-    def _check_shards(self, storage_data: dict[Any, _StorageInfo]) -> set[str]:
+    def _listing(self) -> dict[str, int]:
+        """Name -> size of what is in the checkpoint's folder now: one LIST, which both checks the shards
+        and finds the ones to remove."""
+        return self.storage.fs.vfs.backend.sizes_under(self.path)
+
+    def _check_shards(self, storage_data: dict[Any, _StorageInfo], listed: dict[str, int]) -> set[str]:
         """The shards the metadata names, each checked to be in the store and long enough (else OSError)."""
         needed: dict[str, int] = {}
         for info in storage_data.values():
@@ -210,13 +217,11 @@ class Writer(FileSystemWriter):
             needed[info.relative_path] = max(end, needed.get(info.relative_path, 0))
         for name, end in needed.items():
             path = self.storage.concat_path(self.path, name)
-            self.storage.fs.invalidate_cache(path)
-            try:
-                size = self.storage.fs.info(path)["size"]
-            except FileNotFoundError:
+            size = listed.get(name)
+            if size is None:
                 raise FileNotFoundError(
                     f"{path}: a shard of this save is not in the store; the checkpoint there is left as is"
-                ) from None
+                )
             if size < end:
                 raise OSError(
                     f"{path}: {size} bytes in the store where this save wrote {end}; the checkpoint there is "
@@ -224,11 +229,13 @@ class Writer(FileSystemWriter):
                 )
         return set(needed)
 
-    def _remove_shards_but(self, named: set[str]) -> None:
+    def _remove_shards_but(self, named: set[str], listed: dict[str, int]) -> None:
         try:
-            stale = [n for n in self.storage.ls(self.path) if _SHARD.fullmatch(n) and n not in named]
+            stale = [n for n in listed if _SHARD.fullmatch(n) and n not in named]
             for name in stale:
-                self.storage.rm_file(self.storage.concat_path(self.path, name))
+                path = self.storage.concat_path(self.path, name)
+                self.storage.fs.vfs.backend.remove(path)  # no s3fs client made for it on S3
+                self.storage.fs.invalidate_cache(path)
         except OSError as exc:
             log.warning("%s: the new checkpoint is in place, but not all older shards were removed: %s",
                         self.path, exc)  # fmt: skip
