@@ -6,10 +6,11 @@ object as the annotation `pffs.io/cache`, in the JSON that `pffs extender` and `
      "capacity_bytes": C, "used_bytes": U, "updated_at": "2026-11-25T10:00:00Z"}
 
 A dataset's total is the size of what one listing of its source finds; its cached bytes are the bytes of
-the blocks of those objects on the disk tier. The report is published at most once per interval and
-only when it changed, with a patch of that one annotation through the official `kubernetes` client (RBAC:
-get and patch on nodes). An API server that does not answer is logged once and retried with backoff, on
-this thread only: it never holds a CSI call.
+the blocks of those objects on the disk tier. The report is published at most once per interval, when it
+changed or REPORT_HEARTBEAT_S after the last one (its `updated_at` is the plugin's heartbeat: readers ignore
+a report older than REPORT_MAX_AGE_S, the last word of a plugin that is gone), with a patch of that one
+annotation through the official `kubernetes` client (RBAC: get and patch on nodes). An API server that
+does not answer is logged once and retried with backoff, on this thread only: it never holds a CSI call.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import datetime
 import json
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -26,7 +28,7 @@ from pffs.csi.attributes import backend_options, parse_attributes, parse_credent
 from pffs.csi.metrics import PluginMetrics
 from pffs.csi.periodic import Periodic
 from pffs.csi.volumes import VolumeManager
-from pffs.scheduler.kube.locality import CACHE_ANNOTATION, normalize_dataset
+from pffs.scheduler.kube.locality import CACHE_ANNOTATION, REPORT_HEARTBEAT_S, normalize_dataset
 from pffs.vfs import Vfs
 
 log = logging.getLogger(__name__)
@@ -110,13 +112,16 @@ class CacheReporter:
         metrics: PluginMetrics,
         interval_s: float,
         where: str,
+        heartbeat_s: float = REPORT_HEARTBEAT_S,
     ) -> None:
         self.manager = manager
         self.publish = publish
         self.metrics = metrics
         self.interval_s = interval_s
         self.where = where
+        self.heartbeat_s = heartbeat_s
         self._last: str | None = None
+        self._last_at = 0.0  # time.monotonic() of the last publish
         self._failing = False
         self._backoff = interval_s
         self._rounds = Periodic("cache-report", self.report_once, interval_s, min(5.0, interval_s))
@@ -140,7 +145,7 @@ class CacheReporter:
             log.exception("cache report: could not be made")
             return self.interval_s
         unchanged = json.dumps(report, sort_keys=True)
-        if unchanged == self._last:
+        if unchanged == self._last and time.monotonic() - self._last_at < self.heartbeat_s:
             return self.interval_s
         try:
             self.publish(stamped(report))
@@ -159,7 +164,7 @@ class CacheReporter:
             log.info("cache report: %s takes reports again", self.where)
         self._failing = False
         self._backoff = self.interval_s
-        self._last = unchanged
+        self._last, self._last_at = unchanged, time.monotonic()
         self.metrics.report_publishes.inc()
         return self.interval_s
 

@@ -396,7 +396,8 @@ NAME_MEANINGS = {
     "/apis/scheduling.x-k8s.io/v1alpha1/podgroups": "The PodGroup API `pffs scheduler` reads.",
     "pffs.io/cache": "Node annotation written by the CSI node plugin: JSON of what its cache holds per "
     'dataset (`{"datasets": {"s3://...": {"cached_bytes": ..., "total_bytes": ...}}}`); read by '
-    "`pffs extender` and `pffs scheduler`.",
+    "`pffs extender` and `pffs scheduler`, which take a report whose `updated_at` is over 15 minutes old "
+    "(its plugin gone: a running one writes it at least every 5) as nothing cached.",
     "pffs.io/datasets": "Pod annotation: the datasets it reads (comma-separated URLs); pffs CSI inline "
     "volumes count too.",
     "csi.pffs.io": "The CSI driver's name.",

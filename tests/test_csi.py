@@ -1206,6 +1206,31 @@ def test_unreachable_api_server_never_holds_csi_calls_and_is_logged_once(
     assert len(failures) == 1, failures
 
 
+def test_an_unchanged_cache_report_is_written_again_each_heartbeat(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The report's `updated_at` is the plugin's heartbeat (readers ignore a report older than
+    REPORT_MAX_AGE_S): an unchanged report is not written each round, but again once a heartbeat passed."""
+    from pffs.csi import cache_report
+    from pffs.csi.metrics import PluginMetrics
+    from pffs.scheduler.kube.locality import REPORT_HEARTBEAT_S, REPORT_MAX_AGE_S
+
+    assert REPORT_MAX_AGE_S >= 3 * REPORT_HEARTBEAT_S  # a reader forgives two missed heartbeats
+    report = {"datasets": {"s3://b/ds": {"cached_bytes": 1, "total_bytes": 2}}, "capacity_bytes": 9}
+    monkeypatch.setattr(cache_report, "build_report", lambda manager: report)
+    written: list[str] = []
+    reporter = cache_report.CacheReporter(
+        None, written.append, PluginMetrics(), interval_s=0.01, where="a test", heartbeat_s=0.3
+    )  # type: ignore[arg-type]
+    reporter.report_once()
+    reporter.report_once()
+    assert len(written) == 1  # unchanged within the heartbeat: not written again
+    wait_for("the heartbeat", lambda: reporter.report_once() is not None and len(written) == 2, 10, 0.05)
+    first, second = (json.loads(w) for w in written)
+    assert first["datasets"] == second["datasets"] == report["datasets"]
+    assert node_cache({"metadata": {"annotations": {CACHE_ANNOTATION: written[-1]}}}) == node_cache(
+        {"metadata": {"annotations": {CACHE_ANNOTATION: json.dumps(report)}}}
+    )
+
+
 # Races and odd paths (each of these found a bug; see the messages)
 
 

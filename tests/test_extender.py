@@ -293,3 +293,35 @@ def test_a_chunked_body_is_refused_and_the_connection_closed(url: str) -> None:
         next(h for h in head.split(b"\r\n") if h.lower().startswith(b"content-length:")).split(b":")[1]
     )
     assert len(body) == length  # nothing more: the chunks were not read as another request
+
+
+def test_a_report_its_plugin_stopped_renewing_counts_as_nothing_cached(url: str) -> None:
+    """A plugin rewrites its report at least every REPORT_HEARTBEAT_S; one older than REPORT_MAX_AGE_S
+    is the last word of a plugin that is gone (uninstalled, broken) and draws no pod to its node."""
+    from pffs.scheduler.kube.extender import NodeReports
+    from pffs.scheduler.kube.locality import REPORT_MAX_AGE_S, node_cache
+
+    def stamped(name: str, age_s: float) -> dict[str, Any]:
+        written = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() - age_s))
+        report = {"datasets": {IMAGENET: {"cached_bytes": GIB, "total_bytes": GIB}}, "updated_at": written}
+        return node(name, None, raw=json.dumps(report))
+
+    nodes = [
+        stamped("fresh", 60),
+        stamped("gone", REPORT_MAX_AGE_S + 60),
+        node("unstamped", {IMAGENET: (GIB, GIB)}),
+    ]
+    status, scores = post(f"{url}/prioritize", {"Pod": pod(IMAGENET), "Nodes": node_list(nodes)})
+    assert status == 200
+    assert {s["Host"]: s["Score"] for s in scores} == {"fresh": 10, "gone": 0, "unstamped": 10}
+    _, result = post(f"{url}/filter", {"Pod": pod(IMAGENET), "Nodes": node_list(nodes)})
+    assert len(result["Nodes"]["items"]) == 3  # a stale report fails no node: it only stops attracting
+
+    # Known by name only (nodeCacheCapable): a report learnt while fresh stops counting once it ages,
+    # though its Node never changes again.
+    clock = [time.time()]
+    reports = NodeReports(clock=lambda: clock[0])
+    reports.update("fresh", nodes[0])
+    assert reports.get("fresh")[1] == {IMAGENET: node_cache(nodes[0])[IMAGENET]}  # type: ignore[index]
+    clock[0] += REPORT_MAX_AGE_S
+    assert reports.get("fresh") == (True, {})

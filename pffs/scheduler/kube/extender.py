@@ -19,7 +19,8 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -27,7 +28,13 @@ from typing import Any
 from pffs.scheduler.kube.api_client import RestCalls
 from pffs.scheduler.kube.informer import Informer
 from pffs.scheduler.kube.json_fields import BadObject
-from pffs.scheduler.kube.locality import CachedDataset, locality, node_cache, pod_datasets
+from pffs.scheduler.kube.locality import (
+    CACHE_ANNOTATION,
+    CachedDataset,
+    locality,
+    node_cache,
+    pod_datasets,
+)
 
 log = logging.getLogger(__name__)
 
@@ -41,20 +48,26 @@ class BadRequest(ValueError):
 
 
 class NodeReports:
-    """The latest cache report of every node seen, for requests that carry node names only."""
+    """The latest cache report of every node seen, for requests that carry node names only. Kept as the
+    annotation itself and read when asked, so a report that ages past REPORT_MAX_AGE_S while its node
+    stays unchanged (its plugin gone) stops counting then."""
 
-    def __init__(self) -> None:
-        self._reports: dict[str, dict[str, CachedDataset] | None] = {}
+    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+        self._reports: dict[str, Mapping[str, Any]] = {}  # name → the Node with only its cache report
         self._lock = threading.Lock()
+        self.clock = clock
 
-    def update(self, name: str, report: dict[str, CachedDataset] | None) -> None:
+    def update(self, name: str, node: Mapping[str, Any]) -> None:
+        annotations = (node.get("metadata") or {}).get("annotations") or {}
+        slim = {CACHE_ANNOTATION: annotations[CACHE_ANNOTATION]} if CACHE_ANNOTATION in annotations else {}
         with self._lock:
-            self._reports[name] = report
+            self._reports[name] = {"metadata": {"annotations": slim}}
 
     def get(self, name: str) -> tuple[bool, dict[str, CachedDataset] | None]:
         """(known, report)."""
         with self._lock:
-            return name in self._reports, self._reports.get(name)
+            node = self._reports.get(name)
+        return node is not None, node_cache(node, self.clock()) if node is not None else None
 
     def forget(self, name: str) -> None:
         with self._lock:
@@ -65,7 +78,7 @@ class NodeReports:
         if node is None:
             self.forget(name)
         else:
-            self.update(name, node_cache(node))
+            self.update(name, node)
 
 
 class NodeWatcher(threading.Thread):
@@ -129,7 +142,7 @@ class Extender:
             out = []
             for node in nodes:
                 name, report = _name(node), node_cache(node)
-                self.reports.update(name, report)
+                self.reports.update(name, node)
                 out.append((name, True, report))
             return out
         assert names is not None

@@ -8,11 +8,20 @@ annotation `pffs.io/datasets` (comma-separated URLs), and pffs CSI inline volume
 
 The CSI node plugin writes the report (``csi/cache_report.py``, with the names from here); `pffs scheduler`
 (``nodes.py``, ``pods.py``) and `pffs extender` (``extender.py``) read it.
+
+A report carries the time it was written (`updated_at`), and a running plugin writes it again at least
+every REPORT_HEARTBEAT_S even when nothing changed. A report older than REPORT_MAX_AGE_S (three missed
+heartbeats) is the last word of a plugin that is gone (uninstalled, or its node's pffs broken): it counts
+as nothing cached, so no pod is drawn to a node whose cache nobody vouches for any more. A report without
+`updated_at` (written by hand) is taken as it is.
 """
 
 from __future__ import annotations
 
+import datetime
+import functools
 import json
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +31,8 @@ from pffs.scheduler.kube.json_fields import BadObject, json_object
 CACHE_ANNOTATION = "pffs.io/cache"
 DATASETS_ANNOTATION = "pffs.io/datasets"
 CSI_DRIVER = "csi.pffs.io"
+REPORT_HEARTBEAT_S = 300.0  # a running plugin writes its report at least this often
+REPORT_MAX_AGE_S = 3 * REPORT_HEARTBEAT_S  # older: the plugin is gone, the report is ignored
 
 
 @dataclass(frozen=True)
@@ -69,27 +80,48 @@ def pod_datasets(pod: Mapping[str, Any]) -> list[str]:
     return list(dict.fromkeys(normalize_dataset(u) for u in found))
 
 
-def node_cache(node: Mapping[str, Any]) -> dict[str, CachedDataset] | None:
+def node_cache(node: Mapping[str, Any], now: float | None = None) -> dict[str, CachedDataset] | None:
     """What a Node's pffs says it holds; None if the node publishes nothing (pffs does not run there).
-    A malformed annotation counts as nothing cached (a node's bad report must not fail a pod)."""
+    A malformed annotation, or a report older than REPORT_MAX_AGE_S at `now` (seconds since the epoch;
+    default: the clock), counts as nothing cached (a node's bad report must not fail a pod)."""
     metadata = json_object(node.get("metadata"), "Node.metadata")
     annotations = json_object(metadata.get("annotations"), "Node.metadata.annotations")
     raw = annotations.get(CACHE_ANNOTATION)
     if raw is None:
         return None
+    if not isinstance(raw, str):
+        return {}
+    datasets, written = parse_report(raw)
+    if written is not None and (time.time() if now is None else now) - written > REPORT_MAX_AGE_S:
+        return {}
+    return dict(datasets)
+
+
+@functools.lru_cache(maxsize=4096)
+def parse_report(raw: str) -> tuple[Mapping[str, CachedDataset], float | None]:
+    """A report's datasets and when it was written (seconds since the epoch; None if it does not say:
+    a report written by hand). Malformed: nothing cached. Memoized: the extender asks for every candidate
+    node's report on each request, and a report changes at most once per heartbeat."""
     try:
-        report = json.loads(raw) if isinstance(raw, str) else None
-        datasets = report.get("datasets", {}) if isinstance(report, dict) else {}
-        return {
+        report = json.loads(raw)
+        if not isinstance(report, dict):
+            return {}, None
+        datasets = report.get("datasets", {})
+        found = {
             normalize_dataset(url): CachedDataset(
                 max(0, int(entry.get("cached_bytes", 0))), max(0, int(entry.get("total_bytes", 0)))
             )
             for url, entry in datasets.items()
             if isinstance(entry, dict)
         }
+        stamp = report.get("updated_at")
+        if stamp is None:
+            return found, None
+        written = datetime.datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=datetime.UTC)
+        return found, written.timestamp()
     # int(1e400) is an OverflowError, a deeply nested annotation a RecursionError in the decoder
     except (ValueError, TypeError, AttributeError, OverflowError, RecursionError):
-        return {}
+        return {}, None
 
 
 def locality(datasets: list[str], cache: Mapping[str, CachedDataset] | None) -> float:
