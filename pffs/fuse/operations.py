@@ -657,10 +657,10 @@ class Operations(pyfuse3.Operations):
         staged = self._written(handle)
         if handle is None or staged is None:
             return
-        killed_by = killing_signal(handle.writer)
+        killed_by, held = await self._backend(self._writer_state, handle)
         if killed_by is not None:
             await self._abandon(handle, staged, killed_by)
-        elif not holds_for_writing(handle.writer, self._device(), handle.inode):
+        elif not held:
             await self._publish(staged)
 
     @fuse_errors
@@ -685,6 +685,15 @@ class Operations(pyfuse3.Operations):
     async def _publish(self, staged: StagedFile) -> None:
         await self._backend(self.staging.upload, staged)
         self._changed_here(staged.path)
+
+    def _writer_state(self, handle: FileHandle) -> tuple[int | None, bool]:
+        """(the signal its writer is dying from, or None; whether the writer still holds the file open for
+        writing through another descriptor), read from /proc in a worker thread."""
+        killed_by = killing_signal(handle.writer)
+        if killed_by is not None:
+            return killed_by, False
+        name = posixpath.basename(handle.path)
+        return None, holds_for_writing(handle.writer, self._device(), handle.inode, name)
 
     def _device(self) -> str | None:
         """This mount's "major:minor" (known once mounted), to find its files among a process's."""

@@ -100,20 +100,25 @@ def _unescape(path: str) -> str:
     return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), path)
 
 
-def holds_for_writing(pid: int | None, device: str | None, inode: int) -> bool:
+def holds_for_writing(pid: int | None, device: str | None, inode: int, name: str) -> bool:
     """True if process `pid` has a descriptor open for writing on inode `inode` of the file system whose
-    "major:minor" is `device` (its bind mounts included: one device, several mount ids)."""
+    "major:minor" is `device` (its bind mounts included: one device, several mount ids). `name` is the
+    file's last path component: only descriptors whose path ends with it are looked at closely (a link
+    is read without opening anything; a process may hold thousands)."""
     if pid is None or device is None:
         return False
     try:
         with open(f"/proc/{pid}/mountinfo") as f:
             mounts = {fields[0] for fields in map(str.split, f) if len(fields) > 2 and fields[2] == device}
-        descriptors = os.listdir(f"/proc/{pid}/fdinfo")
+        descriptors = list(os.scandir(f"/proc/{pid}/fd"))
     except OSError:
         return False
+    ending = "/" + name
     for descriptor in descriptors:
         try:
-            with open(f"/proc/{pid}/fdinfo/{descriptor}") as f:
+            if not os.readlink(descriptor.path).endswith(ending):
+                continue
+            with open(f"/proc/{pid}/fdinfo/{descriptor.name}") as f:
                 info = dict(line.split(":", 1) for line in f if ":" in line)
         except OSError:
             continue  # closed meanwhile
