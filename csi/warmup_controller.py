@@ -257,7 +257,16 @@ class WarmupController:
 
     def _choose_nodes(self, namespace: str, nodes: dict[str, Any]) -> list[str]:
         if "names" in nodes:
-            return list(dict.fromkeys(nodes["names"]))
+            names = list(dict.fromkeys(nodes["names"]))
+            known = {n.metadata.name for n in self.core.list_node(_request_timeout=30).items}
+            unknown = [n for n in names if n not in known]
+            if unknown:
+                some = ", ".join(sorted(known)[:5]) + (", ..." if len(known) > 5 else "")
+                raise ValueError(
+                    f"nodes.names: no node named {', '.join(unknown)} in the cluster"
+                    + (f" (its nodes: {some})" if known else " (it has no nodes)")
+                )
+            return names
         if "podGroup" in nodes:
             selector = f"{POD_GROUP_LABEL}={nodes['podGroup']}"
             pods = self.core.list_namespaced_pod(
@@ -272,7 +281,7 @@ class WarmupController:
             n.metadata.name for n in self.core.list_node(label_selector=selector, _request_timeout=30).items
         ]
         if not chosen:
-            raise ValueError(f"no node has the labels {selector or '(none)'}")
+            raise ValueError(f"nodes.selector: no node has the labels {selector or '(none)'}")
         return sorted(chosen)
 
     # Pods waiting, and the end of a warm-up

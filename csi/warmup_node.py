@@ -11,6 +11,8 @@ what it had. A warm-up that ends adds its dataset to the node's cache report (pf
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import queue
 import threading
@@ -211,4 +213,13 @@ class NodeWarmer:
 
 
 def _one_line(exc: BaseException) -> str:
+    """An error as one readable line. The kubernetes client's ApiException prints the answer's headers
+    and body (a `(404) ... HTTPHeaderDict(...)` dump): its status, reason and the API server's own message
+    instead."""
+    status = getattr(exc, "status", None)
+    if status is not None and hasattr(exc, "reason"):
+        message = ""
+        with contextlib.suppress(ValueError, AttributeError):  # a body that is not a JSON Status
+            message = str(json.loads(getattr(exc, "body", None) or "{}").get("message", ""))
+        return f"HTTP {status} {exc.reason}" + (f": {message}" if message else "")
     return " ".join(str(exc).split())[:500] or type(exc).__name__

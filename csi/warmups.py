@@ -45,8 +45,25 @@ def patch_status(custom: Any, namespace: str, name: str, status: dict[str, Any])
 
 
 def secret_values(core: Any, namespace: str, name: str) -> dict[str, str]:
-    """A Secret's keys and decoded values (credentials: never logged)."""
-    secret = core.read_namespaced_secret(name, namespace, _request_timeout=10)
+    """A Secret's keys and decoded values (credentials: never logged). A Secret that cannot be read is a
+    ValueError in one line that says what to do (not the client's dump of the answer's headers)."""
+    from kubernetes.client.exceptions import ApiException
+
+    try:
+        secret = core.read_namespaced_secret(name, namespace, _request_timeout=10)
+    except ApiException as exc:
+        where = f"Secret {namespace}/{name} (spec.secretName)"
+        if exc.status == 404:
+            raise ValueError(
+                f"{where} does not exist: a warm-up's Secret must be in the pffs CSI driver's namespace "
+                f"({namespace}), with the keys accessKeyId and secretAccessKey"
+            ) from None
+        if exc.status == 403:
+            raise ValueError(
+                f"{where}: the pffs node plugin may not read it (its Role pffs-csi-node-warmup-secrets "
+                f"grants get on Secrets of {namespace} when warmups.enabled)"
+            ) from None
+        raise ValueError(f"{where} could not be read: HTTP {exc.status} {exc.reason}") from None
     return {k: base64.b64decode(v).decode() for k, v in (secret.data or {}).items()}
 
 

@@ -419,6 +419,37 @@ def test_a_warmup_of_a_claim_resolves_its_volume_and_a_missing_one_fails_with_it
             cluster.core.delete_persistent_volume("ds-volume")
 
 
+def test_a_warmup_that_cannot_start_fails_with_one_readable_message(
+    cluster: Cluster, s3_server: SeaweedS3, bucket: str, dataset: dict[str, bytes]
+) -> None:
+    """A missing Secret, a node that does not exist, a selector no node matches: each warm-up fails at
+    once with one line saying what is wrong and where to look (not the client's HTTP dump, not Pending)."""
+    cluster.controller()
+    cluster.node("gpu-5", {"pool": "errors"})
+    cases = {
+        "no-secret": (
+            spec_for(bucket, s3_server, nodes={"names": ["gpu-5"]}, secretName="not-there"),
+            f"gpu-5: Secret {SYSTEM}/not-there (spec.secretName) does not exist: a warm-up's Secret must be "
+            f"in the pffs CSI driver's namespace ({SYSTEM}), with the keys accessKeyId and secretAccessKey",
+        ),
+        "no-node": (
+            spec_for(bucket, s3_server, nodes={"names": ["gpu-5", "gpu-typo"]}),
+            "nodes.names: no node named gpu-typo in the cluster (its nodes: ",
+        ),
+        "no-match": (
+            spec_for(bucket, s3_server, nodes={"selector": {"pool": "nowhere"}}),
+            "nodes.selector: no node has the labels pool=nowhere",
+        ),
+    }
+    for name, (spec, _) in cases.items():
+        cluster.custom.create_namespaced_custom_object(G, V, "default", P, warmup(name, **spec))
+    for name, (_, message) in cases.items():
+        status = wait_for(f"{name} to fail", lambda n=name: cluster.status(n).get("phase") == "Failed", 60)
+        error = cluster.status(name)["lastError"]
+        assert status and error.startswith(message), error
+        assert "HTTPHeaderDict" not in error and "\n" not in error
+
+
 def test_a_finished_warmup_is_deleted_after_its_ttl(
     cluster: Cluster, s3_server: SeaweedS3, bucket: str, dataset: dict[str, bytes]
 ) -> None:
