@@ -44,48 +44,87 @@ def _expected(frame: Any) -> list[tuple[int, str]]:
     return sorted(zip(frame["id"].tolist(), frame["text"].tolist(), strict=True))
 
 
-def test_hugging_face_datasets_reads_parquet_through_both_url_forms(
-    parquet: tuple[str, Any], s3_server: SeaweedS3, cache_dir: Path, tmp_path: Path
+def _landed(cache: Path, prefix: str, s3: dict[str, Any]) -> dict[str, float]:
+    """The share of each parquet file's bytes in the pffs cache `cache` (what the load put there)."""
+    import fsspec
+
+    fs = fsspec.filesystem(
+        "pffs", target=f"s3://{prefix}", cache_dir=str(cache), skip_instance_cache=True, **s3
+    )  # fmt: skip
+    return {name: fs.cached_fraction(name) for name in fs.find("")}
+
+
+def test_hugging_face_datasets_reads_through_pffs_with_its_options_in_every_form(
+    parquet: tuple[str, Any],
+    s3_server: SeaweedS3,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """Each form the ML-tools page shows, with a real `load_dataset`: the rows exact, and the data read
+    into the pffs cache_dir given, none into the default one. (Without streaming, the chained form used to
+    put everything in the default cache: `datasets` drops storage_options["pffs"] for the `pffs` hop.)"""
+    from pffs.cache.stats import read_totals
+
     prefix, frame = parquet
     s3 = s3_server.storage_options()
+    default = tmp_path / "default-pffs-cache"
+    monkeypatch.setenv("PFFS_CACHE_DIR", str(default))  # where pffs options dropped on the way would go
+    whole = {"part-0.parquet": 1.0, "part-1.parquet": 1.0}
+
     # The chained form: datasets rewrites it (pffs::s3://...::s3://...) and passes a chained filesystem's
     # options on as the next layer's; this used to end in a TypeError inside aiobotocore.
     chained = datasets.load_dataset(
         "parquet",
         data_files=f"pffs::s3://{prefix}/*.parquet",
-        storage_options={"s3": s3, "pffs": {"cache_dir": str(cache_dir)}},
+        storage_options={"s3": s3, "pffs": {"cache_dir": str(tmp_path / "c1")}},
         split="train",
         cache_dir=str(tmp_path / "hf1"),
     )
     assert _rows(chained) == _expected(frame)
-    # pffs://, the backend named in pffs's own options: also streams.
-    options = {"pffs": {"target_protocol": "s3", "target_options": s3, "cache_dir": str(cache_dir)}}
-    own = datasets.load_dataset(
+    assert _landed(tmp_path / "c1", prefix, s3) == whole
+
+    # pffs://, the backend named in pffs's own options: without streaming, and streaming.
+    def own(cache: str) -> dict[str, Any]:
+        return {"pffs": {"target_protocol": "s3", "target_options": s3, "cache_dir": str(tmp_path / cache)}}
+
+    loaded = datasets.load_dataset(
         "parquet",
         data_files=f"pffs://{prefix}/*.parquet",
-        storage_options=options,
+        storage_options=own("c2"),
         split="train",
         cache_dir=str(tmp_path / "hf2"),
     )
-    assert _rows(own) == _expected(frame)
+    assert _rows(loaded) == _expected(frame)
+    assert _landed(tmp_path / "c2", prefix, s3) == whole
     streamed = datasets.load_dataset(
         "parquet",
         data_files=f"pffs://{prefix}/*.parquet",
-        storage_options=options,
+        storage_options=own("c3"),
         split="train",
         streaming=True,
+        cache_dir=str(tmp_path / "hf3"),
     )
     assert _rows(streamed) == _expected(frame)
+    fetched = read_totals(tmp_path / "c3" / "stats.sqlite")["bytes_fetched"]
+    assert fetched >= sum(raw for raw in _sizes(prefix, s3).values()) * 0.9, fetched  # the columns read
+    assert not (tmp_path / "hf3").exists() or not any((tmp_path / "hf3").rglob("*.arrow"))
+    assert not default.exists(), sorted(default.rglob("*"))
     # The one form datasets cannot stream says which form works (datasets alone fails with 'pffs' as a path)
     with pytest.raises(ValueError, match=r"with streaming=True use data_files='pffs://"):
         datasets.load_dataset(
             "parquet",
             data_files=f"pffs::s3://{prefix}/*.parquet",
-            storage_options={"s3": s3, "pffs": {"cache_dir": str(cache_dir)}},
+            storage_options={"s3": s3, "pffs": {"cache_dir": str(tmp_path / "c4")}},
             split="train",
             streaming=True,
         )
+
+
+def _sizes(prefix: str, s3: dict[str, Any]) -> dict[str, int]:
+    import s3fs
+
+    raw = s3fs.S3FileSystem(**s3)
+    return {path: raw.size(path) for path in raw.find(prefix)}
 
 
 def test_pandas_reads_parquet_and_csv_through_pffs(
