@@ -67,6 +67,8 @@ def test_site_builds_strict_with_generated_reference(site: Path) -> None:
     assert len(list(commands(build_parser()))) >= 10
     for chart in (ROOT / "bench/results").glob("*.png"):
         assert (site / "assets/bench" / chart.name).is_file(), chart.name
+    assert not list((site / "assets/bench").glob("*.json"))  # the charts' data stays in the repository
+    assert (site / "changelog/index.html").is_file()  # docs/changelog.md, a link to CHANGELOG.md
 
 
 @pytest.mark.timeout(300)
@@ -79,6 +81,38 @@ def test_reference_names_every_volume_attribute_and_helm_value(site: Path) -> No
     values = (site / "reference/helm-values/index.html").read_text()
     for key in ("image.registry", "node.kubeletPath", "cacheGroup.enabled", "warmups.enabled"):
         assert f"<code>{key}</code>" in values, key
+
+
+def test_the_committed_reference_pages_are_what_the_code_makes_now(tmp_path: Path) -> None:
+    """docs/reference/*.md are committed (links to them work in the repository) and made again on each
+    build (the site never drifts); a page the code would now make differently is stale in the repository."""
+    subprocess.run(
+        [sys.executable, str(ROOT / "docs/gen_reference.py"), str(tmp_path)], check=True, timeout=120
+    )
+    made = {p.name: p.read_text() for p in (tmp_path / "reference").glob("*.md")}
+    committed = {p.name: p.read_text() for p in (ROOT / "docs/reference").glob("*.md")}
+    stale = sorted(name for name in made.keys() | committed.keys() if made.get(name) != committed.get(name))
+    assert not stale, (
+        f"docs/reference/{stale} differ from the code's: run `python docs/gen_reference.py --write`"
+    )
+
+
+LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
+
+
+def test_every_relative_link_of_the_readme_and_docs_resolves_in_the_repository() -> None:
+    """The same links work on the site (`mkdocs build --strict` checks that) and in the repository (here):
+    no page, chart or anchor target that exists only in the built site."""
+    broken = []
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
+        text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)  # code blocks hold no links
+        for target in LINK.findall(text):
+            path = target.split("#", 1)[0]
+            if not path or re.match(r"^[a-z][a-z0-9+.-]*:", target):
+                continue  # an anchor on the same page, or a URL
+            if not (page.parent / path).exists():
+                broken.append(f"{page.relative_to(ROOT)}: {target}")
+    assert not broken, "links to nothing in the repository:\n" + "\n".join(broken)
 
 
 # Runs the blocks in one interpreter, in order, as a reader would paste them; a failure names its block.
