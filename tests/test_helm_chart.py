@@ -319,6 +319,17 @@ def test_pods_on_one_node_never_claim_one_host_port(sidecars: bool) -> None:
     assert len(probes) == (2 if sidecars else 0)
 
 
+def test_the_controller_rolls_out_without_a_surge_pod_wanting_the_old_ones_host_port() -> None:
+    """With hostNetwork a second controller pod cannot start on the node of the first (the metrics port):
+    a rollout must remove the old pod first, or a one-node cluster never finishes it."""
+    for values in ({}, {"hostNetwork": True}, {"controller": {"replicas": 2}}):
+        (deployment,) = [o for o in template(values) if o["kind"] == "Deployment"]
+        assert deployment["spec"]["strategy"] == {
+            "type": "RollingUpdate",
+            "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1},
+        }
+
+
 def test_every_top_level_value_is_documented() -> None:
     """values.yaml is the chart's manual: a comment above each top-level value."""
     lines = (CHART / "values.yaml").read_text().splitlines()
