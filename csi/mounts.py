@@ -150,6 +150,17 @@ def stop_mount_process(pid: int | None, path: str, timeout_s: float) -> None:
     unmount_all(path)
 
 
+def mounted_in_namespace_of(pid: int, path: str) -> bool:
+    """Whether `path` is a mount point in the mount namespace of process `pid` (its /proc/PID/mountinfo;
+    the mounter's container, for a mount process). True when that cannot be read: callers use it to
+    decide not to stop a mount, and a mount that cannot be judged must be left alone."""
+    try:
+        with open(f"/proc/{pid}/mountinfo") as table:
+            return any(_unescape(line.split()[4]) == path for line in table)
+    except OSError:
+        return True
+
+
 def mount_pid(path: str) -> int | None:
     """The pid a live pffs mount at `path` reports (xattr user.pffs.pid); None if it does not answer.
     Touches the mount: call only where a hung mount cannot block anything else."""

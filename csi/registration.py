@@ -1,7 +1,9 @@
 """Registering the driver with the kubelet (its plugin registration API), as the node-driver-registrar
 sidecar does: a socket in the kubelet's `plugins_registry` folder that answers GetInfo with the driver's
 name and CSI socket. The kubelet finds the socket, asks, then talks CSI to the node plugin. Used where no
-registrar runs beside the plugin (`pffs csi --kubelet-registration-dir`); the DaemonSet runs the sidecar.
+registrar runs beside the plugin (`pffs csi --kubelet-registration-dir`: the chart's default, unless
+node.sidecars.enabled). Whether the kubelet registered the driver (NotifyRegistrationStatus) is the node
+plugin's readiness, as the registrar's kubelet-registration-probe is in Mountpoint's chart.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ class RegistrationServicer(pluginregistration_pb2_grpc.RegistrationServicer):
         self.driver_name = driver_name
         self.csi_socket = csi_socket
         self.registered: bool | None = None
+        self.error = ""
 
     def GetInfo(self, request: Any, context: grpc.ServicerContext) -> Any:
         return pluginregistration_pb2.PluginInfo(
@@ -34,6 +37,7 @@ class RegistrationServicer(pluginregistration_pb2_grpc.RegistrationServicer):
 
     def NotifyRegistrationStatus(self, request: Any, context: grpc.ServicerContext) -> Any:
         self.registered = request.plugin_registered
+        self.error = request.error
         if request.plugin_registered:
             log.info("the kubelet registered %s (CSI socket %s)", self.driver_name, self.csi_socket)
         else:
@@ -49,8 +53,12 @@ class KubeletRegistration:
         self.servicer = RegistrationServicer(driver_name, csi_socket)
         self.server = grpc.server(concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="registration"))
         pluginregistration_pb2_grpc.add_RegistrationServicer_to_server(self.servicer, self.server)
+        self.started = False
 
     def start(self) -> None:
+        if self.started:
+            return
+        self.started = True
         self.socket.parent.mkdir(parents=True, exist_ok=True)
         if self.socket.exists():
             os.unlink(self.socket)
@@ -58,6 +66,8 @@ class KubeletRegistration:
         self.server.start()
 
     def stop(self) -> None:
+        if not self.started:
+            return
         self.server.stop(grace=1).wait(5)
         if self.socket.exists():
             os.unlink(self.socket)  # the kubelet deregisters the driver when its socket goes

@@ -19,6 +19,7 @@ from pffs.csi import csi_pb2_grpc
 from pffs.csi.cache_group import GROUP_ANNOTATION, GroupConfig, Membership, NodeWatch
 from pffs.csi.controller import ControllerServicer
 from pffs.csi.identity import DRIVER_NAME, IdentityServicer
+from pffs.csi.kubelet import kubelet_answers, kubelet_problem
 from pffs.csi.metrics import PluginMetrics
 from pffs.csi.mount_runner import MountRunner
 from pffs.csi.mounter import MounterClient
@@ -58,6 +59,7 @@ class PluginOptions:
     cache_group: GroupConfig | None = None  # None: volumes asking for a cache group are refused
     warmups: bool = False  # DatasetWarmups: a node warms its cache; a controller resolves and rolls up
     namespace: str | None = None  # the plugin's own (warm-ups' Secrets, the controller's Lease)
+    ready_file: Path | None = None  # "ok", or why the plugin is not ready (the readiness probe reads it)
 
 
 def grpc_address(endpoint: str) -> tuple[str, str | None]:
@@ -120,6 +122,8 @@ class Plugin:
         self.group_watch: NodeWatch | None = None
         self.warmer: Any = None
         self.warmup_controller: Any = None
+        self.kubelet_problem: str | None = None  # set while no kubelet serves at --kubelet-dir
+        self._readiness_written: str | None = None
         self.server = grpc.server(concurrent.futures.ThreadPoolExecutor(16, thread_name_prefix="csi-rpc"))
         serve_node = options.mode in ("node", "all")
         serve_controller = options.mode in ("controller", "all")
@@ -175,7 +179,19 @@ class Plugin:
             from pffs.csi.warmup_node import NodeWarmer
 
             self.warmer = NodeWarmer(api.api_client, options.node_id, self.volumes, options.namespace)
-        self.volumes.adopt()
+        if options.kubelet_dir is not None:
+            problem = kubelet_problem(options.kubelet_dir)
+            if problem is not None:
+                self.kubelet_problem = (
+                    f"{problem}. Until then this node plugin stays unready, does not register with the "
+                    "kubelet and leaves every mount of the node as it is"
+                )
+        if self.kubelet_problem is None:
+            self.volumes.adopt()
+        else:
+            # Its records' staging and target paths are under the real kubelet dir, which this container
+            # does not see: every live mount would look dead. Nothing is adopted, repaired or stopped.
+            log.error("%s", self.kubelet_problem)
         csi_pb2_grpc.add_NodeServicer_to_server(NodeServicer(self.volumes, self.metrics), self.server)
         # Checks every mount and repairs the dead ones.
         if options.kubelet_registration_dir is not None:
@@ -213,7 +229,54 @@ class Plugin:
         if self.runner is not None:
             self.runner.reap()
         assert self.volumes is not None
-        self.volumes.check()
+        if self.kubelet_problem is not None:
+            assert self.options.kubelet_dir is not None
+            if not kubelet_answers(self.options.kubelet_dir):
+                self.write_readiness()
+                return
+            log.info("the kubelet now serves at %s: adopting this node's mounts", self.options.kubelet_dir)
+            self.kubelet_problem = None
+            self.volumes.adopt()
+            if self.registration:
+                self.registration.start()
+        else:
+            self.volumes.check()
+        self.write_readiness()
+
+    def readiness(self) -> str | None:
+        """The readiness probe's answer: None once the plugin can serve this node's pods (the kubelet is at
+        --kubelet-dir and, where the plugin registers itself, has registered it), else why not."""
+        if self.kubelet_problem is not None:
+            return self.kubelet_problem
+        if self.registration is not None:
+            servicer = self.registration.servicer
+            if servicer.registered is None:
+                return (
+                    f"the kubelet has not registered {DRIVER_NAME} yet (it has not answered the "
+                    f"registration socket {self.registration.socket}): is node.kubeletPath "
+                    f"({self.options.kubelet_dir}) the kubelet's --root-dir?"
+                )
+            if not servicer.registered:
+                return f"the kubelet refused to register {DRIVER_NAME}: {servicer.error}"
+        return self.health()
+
+    def write_readiness(self) -> None:
+        """Writes readiness() to --ready-file when it changed ("ok", or the reason): the readiness probe
+        prints it, so `kubectl describe pod` shows why the plugin is not ready."""
+        path = self.options.ready_file
+        if path is None:
+            return
+        text = self.readiness() or "ok"
+        if text == self._readiness_written:
+            return
+        temporary = path.with_name(f".{path.name}.tmp")
+        temporary.write_text(text + "\n")
+        temporary.replace(path)
+        if text != "ok":
+            log.warning("not ready: %s", text)
+        elif self._readiness_written is not None:
+            log.info("ready: the kubelet registered %s", DRIVER_NAME)
+        self._readiness_written = text
 
     def health(self) -> str | None:
         """/healthz: None while the plugin serves (its gRPC server runs and, on a node, its supervisor
@@ -233,8 +296,9 @@ class Plugin:
         self.server.start()
         if self.options.metrics_port:
             self.metrics.serve(self.options.metrics_address, self.options.metrics_port, self.health)
-        if self.registration:
+        if self.registration and self.kubelet_problem is None:
             self.registration.start()  # after the CSI socket answers: the kubelet calls it at once
+        self.write_readiness()
         if self.supervisor:
             self.supervisor.start()
         if self.reporter:

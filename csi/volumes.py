@@ -38,6 +38,7 @@ from pffs.csi.mounts import (
     is_mount_process,
     mount_pid,
     mount_table,
+    mounted_in_namespace_of,
     mounted_paths,
     shares_mounts_with_host,
     shows_mount_of,
@@ -92,6 +93,7 @@ class VolumeManager:
         self.starter = starter
         self.pods = Pods(api, config.node_id)
         self._told_down: set[int | None] = set()
+        self._told_unseen: set[int] = set()  # live mount processes whose mount this plugin does not see
         self.state = NodeState(config.state_dir)
         self.locks = KeyedLocks()
         self._preflight = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="preflight")
@@ -359,6 +361,8 @@ class VolumeManager:
                         if self.state.records.staged.get(staged.staging_path) is not staged:
                             continue  # unstaged meanwhile
                     if not self.is_alive(staged):
+                        if self._unseen(staged):
+                            continue
                         self.repair(staged)
                     else:
                         self._rebind_lost_targets(staged)
@@ -391,9 +395,13 @@ class VolumeManager:
         there would never reach this plugin, so each record moves to inline_dir() and is mounted there (the
         old mount died with the old plugin's container)."""
         inline_dir = str(self.inline_dir())
+        legacy_dir = str(self.config.state_dir / "inline")
         with self.state.lock:
             for old_path, staged in list(self.state.records.staged.items()):
-                if staged.inline_key is None or old_path.startswith(inline_dir + "/"):
+                # Only the old layout's records move: a path elsewhere is not this release's to judge.
+                if staged.inline_key is None or not old_path.startswith(legacy_dir + "/"):
+                    continue
+                if old_path.startswith(inline_dir + "/"):
                     continue
                 if self.is_alive(staged):
                     continue  # still serving where it is (a plugin on the host, say): leave it
@@ -408,9 +416,31 @@ class VolumeManager:
                 log.warning("inline volume %s moves from %s to %s", staged.volume_id, old_path, new_path)
             self.state.save()
 
+    def _unseen(self, staged: Staged) -> bool:
+        """Whether the mount process of `staged` still serves its path in its own mount namespace (the
+        mounter's) while this plugin does not see that mount: not dead, only unseen from here (a kubelet
+        dir that is not the kubelet's). Logged once per process."""
+        pid = staged.pid
+        if not pid or not is_mount_process(pid) or not mounted_in_namespace_of(pid, staged.staging_path):
+            return False
+        if pid not in self._told_unseen:
+            self._told_unseen.add(pid)
+            log.error(
+                "the mount process %d serves %s in its own mount namespace, but this plugin does not see "
+                "that mount: leaving it alone (is node.kubeletPath the kubelet's --root-dir, the same for "
+                "the node plugin and the mounter?)",
+                pid,
+                staged.staging_path,
+            )
+        return True
+
     def repair(self, staged: Staged) -> None:
         """Mounts a dead volume again at its staging path and binds every target again. The pods' bind
-        mounts pointed at the dead mount; with HostToContainer propagation they see the new ones."""
+        mounts pointed at the dead mount; with HostToContainer propagation they see the new ones.
+        A mount whose process still serves it where it was started is not dead, only unseen from here:
+        it is left alone (logged once), never stopped."""
+        if self._unseen(staged):
+            raise Abort(Code.FAILED_PRECONDITION, f"the mount at {staged.staging_path} is not visible here")
         ended = self.how_it_ended(staged)
         log.warning(
             "the mount of %s at %s is dead (pid %s: %s); mounting it again",
@@ -668,6 +698,7 @@ class VolumeManager:
             staged = self.state.records.staged.values()
             self.metrics.volumes_staged.set(len(staged))
             self.metrics.targets_published.set(sum(len(s.targets) for s in staged))
+            self.metrics.show_volumes(staged)  # what each mount's `volume` label is, by name
 
     def close(self) -> None:
         """Stops supervising; the mounts keep running (the next plugin process adopts them)."""

@@ -23,7 +23,8 @@ fi
 
 rendered=$(mktemp)
 trap 'rm -f "$rendered"' EXIT
-"$helm" template "$release" "$chart" --namespace "$namespace" --include-crds >"$rendered"
+# --no-hooks: a Helm hook (the preflight Job) means nothing to `kubectl apply`.
+"$helm" template "$release" "$chart" --namespace "$namespace" --include-crds --no-hooks >"$rendered"
 
 header() {
     cat <<HEADER

@@ -16,10 +16,12 @@ import math
 import os
 import re
 import signal
+import socket
 import stat
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +32,7 @@ import pytest
 import s3fs
 from helpers import FakeHttpServer, JsonHandler, sha256
 from mounts import drop_page_cache
+from prometheus_client.parser import text_string_to_metric_families
 
 from pffs.csi import csi_pb2
 from pffs.processes import is_alive, is_mount_process
@@ -1231,6 +1234,68 @@ def test_an_unchanged_cache_report_is_written_again_each_heartbeat(monkeypatch: 
     )
 
 
+@pytest.mark.timeout(120)
+def test_metrics_say_which_pv_or_pod_each_mounts_volume_label_is(
+    start_plugin: Callable[..., Plugin], dataset: Dataset, tmp_path: Path
+) -> None:
+    """A mount's series carry `volume` (the CSI volume id: `csi-<sha256>` for an inline volume); the node
+    plugin's info series name it: the PV and the source per mount, the pods using it (namespace/name and
+    their volume's name for inline volumes). Joined on `volume` as a PromQL `group_left` would."""
+    first, last = free_ports(2)
+    plugin = start_plugin("--mount-metrics-ports", f"{min(first, last)}-{max(first, last)}")
+    pod = {
+        "csi.storage.k8s.io/pod.name": "trainer-0",
+        "csi.storage.k8s.io/pod.namespace": "team-b",
+        "csi.storage.k8s.io/pod.uid": "uid-trainer-0",
+    }
+    staging = staging_path(tmp_path, "9f86d081884c7d65")  # the kubelet names it by a hash of the handle
+    plugin.stage("imagenet-handle", staging, dataset.context, dataset.secrets)
+    pv_target = target_path(tmp_path, "uid-trainer-0", "pv-imagenet")
+    plugin.publish("imagenet-handle", staging, pv_target, volume_context={**dataset.context, **pod})
+    inline = [target_path(tmp_path, f"uid-p{i}", "data") for i in (1, 2)]
+    plugin.publish_inline("csi-5d41402abc4b2a76", inline[0], dataset.context, dataset.secrets, "p1")
+    plugin.publish_inline("csi-7d793037a0760186", inline[1], dataset.context, dataset.secrets, "p2")
+    for target in (pv_target, *inline):
+        assert_exact(target, dataset)
+
+    def samples(name: str) -> list[dict[str, str]]:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{plugin.metrics_port}/metrics", timeout=5).read()
+        return [
+            s.labels
+            for family in text_string_to_metric_families(text.decode())
+            for s in family.samples
+            if s.name == name
+        ]
+
+    info = {s["volume"]: s for s in samples("pffs_csi_volume_info")}
+    mounts = wait_for(
+        "both mounts' series", lambda: {s["volume"] for s in samples("pffs_open_files")} or None, 20
+    )
+    assert (
+        mounts == set(info) == {"imagenet-handle", "csi-5d41402abc4b2a76"}
+    )  # the shared mount: its first pod's
+    assert info["imagenet-handle"] == {
+        "volume": "imagenet-handle",
+        "persistentvolume": "pv-imagenet",
+        "source": dataset.url,
+        "read_only": "false",
+    }
+    assert info["csi-5d41402abc4b2a76"]["persistentvolume"] == ""
+    pods = sorted(
+        (s["volume"], s["pod_namespace"], s["pod_name"], s["pod_volume"], s["persistentvolume"])
+        for s in samples("pffs_csi_volume_pod_info")
+    )
+    assert pods == [
+        ("csi-5d41402abc4b2a76", "team-a", "p1", "data", ""),
+        ("csi-5d41402abc4b2a76", "team-a", "p2", "data", ""),
+        ("imagenet-handle", "team-b", "trainer-0", "", "pv-imagenet"),
+    ]
+    plugin.unpublish("csi-5d41402abc4b2a76", inline[0])
+    plugin.unpublish("csi-7d793037a0760186", inline[1])
+    assert {s["volume"] for s in samples("pffs_csi_volume_info")} == {"imagenet-handle"}
+    assert [s["pod_name"] for s in samples("pffs_csi_volume_pod_info")] == ["trainer-0"]
+
+
 # Races and odd paths (each of these found a bug; see the messages)
 
 
@@ -1411,3 +1476,139 @@ def test_unstage_after_the_state_file_was_lost_stops_the_mount_and_forgets_its_c
     assert mounts_under(tmp_path) == []
     left = list((plugin.state_dir / "secrets").iterdir())
     assert left == [], f"credentials of an unstaged volume kept on disk: {left}"
+
+
+# 8. A kubelet dir that is not the kubelet's
+
+
+def test_the_kubelet_is_found_by_its_sockets_and_a_wrong_path_is_named(tmp_path: Path) -> None:
+    from pffs.csi.kubelet import kubelet_answers, kubelet_problem, kubelet_process_roots
+
+    real = tmp_path / ("a-kubelet-root-whose-path-is-longer-than-a-unix-socket-address-may-be" * 2)
+    with FakeKubelet(real):
+        assert len(os.fsencode(real / "pod-resources/kubelet.sock")) > 108
+        assert kubelet_answers(real) and kubelet_problem(real) is None
+    assert not kubelet_answers(real), "a socket file nobody listens on is no kubelet"
+    # The host's unix sockets (pid 1's network namespace), as the plugin reads them with hostPID.
+    proc = tmp_path / "proc"
+    (proc / "1" / "net").mkdir(parents=True)
+    (proc / "1" / "net" / "unix").write_text(
+        "Num       RefCount Protocol Flags    Type St Inode Path\n"
+        "0000000000000000: 00000002 00000000 00010000 0001 01 1001 /srv/kubelet/pod-resources/kubelet.sock\n"
+        "0000000000000000: 00000003 00000000 00000000 0001 03 1002 /old/kubelet/device-plugins/kubelet.sock\n"
+    )
+    problem = kubelet_problem(tmp_path / "wrong", proc=proc)
+    assert problem is not None
+    assert f"node.kubeletPath is {tmp_path / 'wrong'}" in problem
+    assert "the kubelet on this node uses /srv/kubelet" in problem and "/old/kubelet" not in problem
+    # Without a listening socket to go by: a kubelet process's --root-dir, or its default.
+    (proc / "1" / "net" / "unix").write_text("Num       RefCount Protocol Flags    Type St Inode Path\n")
+    for pid, argv in (("7", b"/usr/bin/kubelet\0--root-dir=/data/kubelet\0"), ("8", b"bash\0kubelet\0")):
+        (proc / pid).mkdir()
+        (proc / pid / "cmdline").write_bytes(argv)
+    assert kubelet_process_roots(proc) == ["/data/kubelet"]
+    assert "uses /data/kubelet (from the kubelet process's --root-dir)" in str(kubelet_problem("/x", proc))
+
+
+class FakeKubelet:
+    """What the plugin knows a live kubelet by: a unix socket listening at ROOT/pod-resources/kubelet.sock
+    (bound through the folder's descriptor, so ROOT may be longer than a socket address)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.listener: socket.socket | None = None
+
+    def __enter__(self) -> FakeKubelet:
+        folder = self.root / "pod-resources"
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "kubelet.sock").unlink(missing_ok=True)
+        dir_fd = os.open(folder, os.O_PATH | os.O_DIRECTORY)
+        try:
+            self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self.listener.bind(f"/proc/self/fd/{dir_fd}/kubelet.sock")
+            self.listener.listen(16)
+        finally:
+            os.close(dir_fd)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.listener is not None:
+            self.listener.close()  # the socket file stays, as a dead kubelet's does
+            self.listener = None
+
+
+@contextlib.contextmanager
+def shared_mount(path: Path) -> Iterator[Path]:
+    """`path` as a shared mount of itself, as the kubelet makes its root dir (mounts the plugin makes under
+    it reach the host: the plugin's --kubelet-dir check)."""
+    path.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["mount", "--bind", str(path), str(path)], check=True)
+    try:
+        subprocess.run(["mount", "--make-shared", str(path)], check=True)
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+@pytest.mark.timeout(120)
+def test_a_plugin_that_cannot_find_its_kubelet_is_unready_and_touches_no_mount_until_it_does(
+    start_plugin: Callable[..., Plugin], dataset: Dataset, tmp_path: Path
+) -> None:
+    """A restarted plugin whose --kubelet-dir has no kubelet (node.kubeletPath wrong, or the kubelet not up
+    yet) sees its records' mounts through the wrong window: it must not adopt, repair, move or stop any of
+    them, must say why in its readiness, and must take them up once the kubelet answers there."""
+    kubelet = tmp_path / "kubelet"
+    ready_file = tmp_path / "ready"
+    with shared_mount(kubelet), FakeKubelet(kubelet) as fake:
+        args = ("--kubelet-dir", str(kubelet), "--ready-file", str(ready_file), "--check-interval", "0.1")
+        plugin = start_plugin(*args)
+        wait_for("the plugin ready", lambda: ready_file.read_text() == "ok\n", 10)
+        staging = staging_path(tmp_path, "pv-a")
+        plugin.stage("pv-a", staging, dataset.context, dataset.secrets)
+        plugin.publish("pv-a", staging, target_path(tmp_path, "pod-a"))
+        plugin.publish_inline(
+            "inline-b", target_path(tmp_path, "pod-b"), dataset.context, dataset.secrets, "b"
+        )
+        before = plugin.staged()
+        inline_path = next(path for path in before if path != str(staging))
+        assert inline_path.startswith(str(kubelet) + "/")
+        plugin.kill()
+
+        fake.__exit__()  # the kubelet's sockets stop answering
+        os.kill(before[str(staging)]["pid"], signal.SIGKILL)  # a mount a working plugin would repair
+        assert wait_gone({before[str(staging)]["pid"]}, 5) == set()
+        plugin.start()
+        text = ready_file.read_text()
+        assert f"node.kubeletPath is {kubelet}, but no kubelet serves there" in text, text
+        assert "stays unready" in text
+        assert plugin.staged() == before, "records moved or changed without a kubelet"
+        assert is_alive(before[inline_path]["pid"])
+        assert "mounting it again" not in plugin.log() and "adopted the running mount" not in plugin.log()
+
+        fake.__enter__()  # the kubelet answers: the plugin takes its mounts up
+        wait_for("the plugin ready", lambda: ready_file.read_text() == "ok\n", 10)
+        wait_for(
+            "the dead mount repaired",
+            lambda: plugin.staged()[str(staging)]["pid"] != before[str(staging)]["pid"],
+            RECOVERY_DEADLINE_S,
+        )
+        assert plugin.staged()[inline_path]["pid"] == before[inline_path]["pid"], "a healthy mount replaced"
+        assert_exact(target_path_of(tmp_path, "pod-a"), dataset)
+        assert_exact(target_path_of(tmp_path, "pod-b"), dataset)
+        plugin.unpublish("pv-a", target_path_of(tmp_path, "pod-a"))
+        plugin.unstage("pv-a", staging)
+        plugin.unpublish("inline-b", target_path_of(tmp_path, "pod-b"))
+        plugin.stop()
+        plugin.clean_up()
+
+
+def target_path_of(root: Path, pod: str, name: str = "vol") -> Path:
+    return root / "kubelet" / "pods" / pod / "volumes" / name / "mount"
+
+
+def test_a_mount_is_judged_in_its_own_process_mount_namespace() -> None:
+    from pffs.csi.mounts import mounted_in_namespace_of
+
+    assert mounted_in_namespace_of(os.getpid(), "/proc")
+    assert not mounted_in_namespace_of(os.getpid(), "/proc/self/no-mount-here")
+    assert mounted_in_namespace_of(2**22 + 1, "/anything"), "unknown: never a reason to stop a mount"

@@ -90,7 +90,13 @@ def add_parsers(sub: Any, verbosity: argparse.ArgumentParser) -> None:
         type=Path,
         help="the kubelet's root dir, mounted here at the host's path with Bidirectional propagation: "
         "staging and target paths must be under it, inline volumes' mounts go there "
-        "(e.g. /var/lib/kubelet)",
+        "(e.g. /var/lib/kubelet); until a kubelet serves there the plugin is not ready and touches no mount",
+    )
+    p.add_argument(
+        "--ready-file",
+        type=Path,
+        help="keep the plugin's readiness in this file: ok, or why it is not ready (for an exec "
+        "readiness probe, which shows the reason in the pod's Events)",
     )
     p.add_argument(
         "--mounter",
@@ -176,6 +182,24 @@ def add_parsers(sub: Any, verbosity: argparse.ArgumentParser) -> None:
     _log_format_option(m)
     m.set_defaults(run=run_mounter)
 
+    c = sub.add_parser(
+        "csi-preflight",
+        parents=[verbosity],
+        help="check that the kubelet is where the node plugin will look for it (a Helm hook runs it)",
+        description="Exits 0 if a kubelet serves at --kubelet-dir on this host; else 1, printing the path "
+        "the kubelet really uses when it can be found. The chart runs it before every install and upgrade "
+        "(node.preflight), so a wrong node.kubeletPath stops `helm install` and `helm upgrade` before they "
+        "change anything.",
+        epilog="example:\n  pffs csi-preflight --kubelet-dir /var/lib/kubelet --host-root /proc/1/root",
+    )
+    c.add_argument("--kubelet-dir", type=Path, required=True, help="the node.kubeletPath to check")
+    c.add_argument(
+        "--host-root",
+        default="",
+        help="where the host's / is seen from here (/proc/1/root in a pod with hostPID; default: here)",
+    )
+    c.set_defaults(run=run_preflight)
+
 
 MOUNTER_HELP = """\
 Runs the pffs mount processes of a node's CSI volumes, in a pod of their own (the DaemonSet
@@ -193,6 +217,23 @@ def _log_format_option(parser: argparse.ArgumentParser) -> None:
         default="text",
         help="text lines, or one JSON object per line for log collectors (default text)",
     )
+
+
+def run_preflight(args: argparse.Namespace) -> int:
+    import sys
+
+    from pffs.csi.kubelet import kubelet_problem
+
+    if not args.kubelet_dir.is_absolute():
+        raise UsageError(f"--kubelet-dir {args.kubelet_dir}: give an absolute path, e.g. /var/lib/kubelet")
+    node = os.environ.get("NODE_ID")
+    on = f" on node {node}" if node else ""
+    problem = kubelet_problem(args.kubelet_dir, host_root=args.host_root.rstrip("/"))
+    if problem is not None:
+        print(f"pffs-csi preflight{on}: {problem}", file=sys.stderr, flush=True)
+        return 1
+    print(f"pffs-csi preflight{on}: the kubelet serves at {args.kubelet_dir} (node.kubeletPath)", flush=True)
+    return 0
 
 
 def run_mounter(args: argparse.Namespace) -> int:
@@ -252,6 +293,7 @@ def run(args: argparse.Namespace) -> int:
         kubelet_registration_dir=args.kubelet_registration_dir,
         kubelet_registration_path=args.kubelet_registration_path,
         kubelet_dir=args.kubelet_dir,
+        ready_file=args.ready_file,
         mounter=mounter,
         cache_group=_cache_group(args),
         warmups=args.warmups,
