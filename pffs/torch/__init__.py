@@ -6,9 +6,10 @@
     stream = IterableDataset("s3://datasets/shards", shuffle=True, seed=0, transform=decode)
     loader = torch.utils.data.DataLoader(stream, batch_size=64, num_workers=8)
 
-An item is a `PffsObject` (a binary file over the object's bytes, with `.url` and `.key`) or what the
-transform makes of it. Every process — each DataLoader worker, forked or spawned — reads through its own
-pffs filesystem and the one disk cache of the machine. `import pffs` does not import torch; this does.
+An item is a `PffsObject` (a seekable, read-only binary file that reads the object through the cache as
+it is consumed, with `.url` and `.key`) or what the transform makes of it. Every process — each DataLoader
+worker, forked or spawned — reads through its own pffs filesystem and the one disk cache of the machine.
+`import pffs` does not import torch; this does.
 
 `DcpWriter` and `DcpReader` (`pffs.torch.dcp.Writer` and `Reader`) are torch.distributed.checkpoint's
 storage writer and reader through pffs: `dcp.save(state_dict, storage_writer=DcpWriter("s3://...", ...))`.

@@ -1,8 +1,9 @@
 """PyTorch datasets of the objects under a prefix (or in a list of URLs), read through the pffs cache.
 
-An item is a `PffsObject` (a binary file over the object's bytes, with `.url` and `.key`) read whole in
-the DataLoader worker, or `transform(obj)` where a transform is given: what s3torchconnector's datasets
-hand their transforms, so those port unchanged.
+An item is a `PffsObject` (a seekable, read-only binary file with `.url` and `.key`, reading the object
+through the cache in the DataLoader worker as it is consumed: see pffs.torch.objects), or `transform(obj)`
+where a transform is given: what s3torchconnector's datasets hand their transforms, so those port
+unchanged.
 
 Resuming mid-epoch: both datasets have `state_dict()` and `load_state_dict(state)`, which torchdata's
 `StatefulDataLoader` calls in each DataLoader worker (or in the training process with num_workers=0); save

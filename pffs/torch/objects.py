@@ -184,7 +184,7 @@ class PffsObject(io.BufferedIOBase):
         while limit != 0 and self._view() is not None:
             begin = self._position - self._start
             end = len(self._buffer) if limit < 0 else min(len(self._buffer), begin + limit)
-            newline = _NEWLINE.search(self._buffer, begin, end)  # type: ignore[call-overload]
+            newline = _NEWLINE.search(self._buffer, begin, end)
             stop = end if newline is None else newline.end()
             parts.append(self._buffer[begin:stop])
             self._position += stop - begin
