@@ -1,12 +1,28 @@
 """The CSI plugin's own Prometheus metrics (each mount process serves its own). A registry per plugin, so
-tests can run several plugins in one process."""
+tests can run several plugins in one process.
+
+A mount's series (pffs_cache_*, pffs_backend_*, ..., re-exported by the mounter) carry the label `volume`:
+the CSI volume id the mount was staged with, which for an inline volume is the kubelet's `csi-<sha256>`.
+The node plugin says what each one is, in names a person knows, with two info series (value 1), as
+kube-state-metrics does for pods and volumes:
+
+    pffs_csi_volume_info{volume, persistentvolume, source, read_only}
+        one per mount: the PV's name (empty for an inline volume's mount) and the source URL;
+    pffs_csi_volume_pod_info{volume, persistentvolume, pod_namespace, pod_name, pod_volume}
+        one per pod using it (an inline mount is shared by every pod naming the same source).
+
+A query joins them on (node, volume), e.g. `... * on (node, volume) group_left (persistentvolume, source)
+pffs_csi_volume_info`. The pod's labels are pod_namespace/pod_name, not namespace/pod, which a scrape sets
+to the exporting pod's own.
+"""
 
 from __future__ import annotations
 
 import http.server
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -16,6 +32,9 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+
+if TYPE_CHECKING:
+    from pffs.csi.state import Staged
 
 log = logging.getLogger(__name__)
 
@@ -67,9 +86,62 @@ class PluginMetrics:
             "cache reports the API server did not take",
             registry=self.registry,
         )
+        self.volume_info = Gauge(
+            "pffs_csi_volume_info",
+            "1 per mount: what its `volume` label is (the PV's name, empty for inline volumes; the source)",
+            ["volume", "persistentvolume", "source", "read_only"],
+            registry=self.registry,
+        )
+        self.volume_pod_info = Gauge(
+            "pffs_csi_volume_pod_info",
+            "1 per pod using a mount: the pod and its volume's name (inline) or PV",
+            ["volume", "persistentvolume", "pod_namespace", "pod_name", "pod_volume"],
+            registry=self.registry,
+        )
+        self._shown: dict[Gauge, set[tuple[str, ...]]] = {
+            self.volume_info: set(),
+            self.volume_pod_info: set(),
+        }
+        self._shown_lock = threading.Lock()
+
+    def show_volumes(self, staged: Iterable[Staged]) -> None:
+        """Sets the info series to what `staged` (the node's records) holds: new ones added, gone ones
+        removed, the others untouched (a scrape never sees a volume vanish and come back)."""
+        wanted: dict[Gauge, set[tuple[str, ...]]] = {self.volume_info: set(), self.volume_pod_info: set()}
+        for mount in staged:
+            names = {target_volume_name(path) for path in mount.targets}
+            inline = mount.inline_key is not None
+            pv = "" if inline else ",".join(sorted(names))
+            source = mount.attributes.get("source", "")
+            wanted[self.volume_info].add((mount.volume_id, pv, source, str(mount.read_only).lower()))
+            for path, target in mount.targets.items():
+                pod = target.pod
+                wanted[self.volume_pod_info].add(
+                    (
+                        mount.volume_id,
+                        pv,
+                        pod.namespace if pod else "",
+                        pod.name if pod else "",
+                        target_volume_name(path) if inline else "",
+                    )
+                )
+        with self._shown_lock:
+            for gauge, rows in wanted.items():
+                for gone in self._shown[gauge] - rows:
+                    gauge.remove(*gone)
+                for row in rows:
+                    gauge.labels(*row).set(1)
+                self._shown[gauge] = rows
 
     def serve(self, address: str, port: int, health: HealthCheck) -> http.server.ThreadingHTTPServer:
         return serve_http(address, port, self.registry, health)
+
+
+def target_volume_name(target_path: str) -> str:
+    """The kubelet's target is .../pods/UID/volumes/kubernetes.io~csi/NAME/mount: NAME is the PV's name, or
+    the pod's volume's for an inline volume."""
+    parts = target_path.rstrip("/").split("/")
+    return parts[-2] if len(parts) >= 2 and parts[-1] == "mount" else ""
 
 
 class MounterMetrics:
