@@ -21,7 +21,7 @@ from __future__ import annotations
 import http.server
 import logging
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import (
@@ -32,6 +32,8 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from pffs.csi.state import Staged
@@ -103,6 +105,8 @@ class PluginMetrics:
             self.volume_pod_info: set(),
         }
         self._shown_lock = threading.Lock()
+        self._mounts: list[Staged] = []  # the records' own objects: a repair's new pid shows at once
+        self.registry.register(MountMemory(self))
 
     def show_volumes(self, staged: Iterable[Staged]) -> None:
         """Sets the info series to what `staged` (the node's records) holds: new ones added, gone ones
@@ -126,6 +130,7 @@ class PluginMetrics:
                     )
                 )
         with self._shown_lock:
+            self._mounts = list(staged)
             for gauge, rows in wanted.items():
                 for gone in self._shown[gauge] - rows:
                     gauge.remove(*gone)
@@ -135,6 +140,42 @@ class PluginMetrics:
 
     def serve(self, address: str, port: int, health: HealthCheck) -> http.server.ThreadingHTTPServer:
         return serve_http(address, port, self.registry, health)
+
+
+class MountMemory(Collector):
+    """pffs_csi_mount_memory_bytes{volume}: the resident memory of each mount's process, read from /proc
+    at each scrape (the node plugin shares the host's pid namespace with the mounter). Every mount of the
+    node runs in the mounter's pod, under its one memory limit (mounter.resources): this is each one's
+    share of it, mostly its memory cache (memoryCacheSize, 512M by default) once warm."""
+
+    def __init__(self, metrics: PluginMetrics) -> None:
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily(
+            "pffs_csi_mount_memory_bytes",
+            "resident memory of each mount process (all of them count against the mounter's limit)",
+            labels=["volume"],
+        )
+        with self.metrics._shown_lock:
+            mounts = [(m.volume_id, m.pid) for m in self.metrics._mounts]
+        for volume, pid in mounts:
+            rss = resident_bytes(pid) if pid else None
+            if rss is not None:
+                family.add_metric([volume], rss)
+        yield family
+
+
+def resident_bytes(pid: int) -> int | None:
+    """VmRSS of a process; None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            for line in status:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 def target_volume_name(target_path: str) -> str:

@@ -1290,6 +1290,19 @@ def test_metrics_say_which_pv_or_pod_each_mounts_volume_label_is(
         ("csi-5d41402abc4b2a76", "team-a", "p2", "data", ""),
         ("imagenet-handle", "team-b", "trainer-0", "", "pv-imagenet"),
     ]
+    # Each mount's share of the mounter's one memory limit, by the same `volume` label.
+    memory = {s["volume"]: s for s in samples("pffs_csi_mount_memory_bytes")}
+    assert set(memory) == set(info)
+    text = (
+        urllib.request.urlopen(f"http://127.0.0.1:{plugin.metrics_port}/metrics", timeout=5).read().decode()
+    )
+    rss = {
+        s.labels["volume"]: s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "pffs_csi_mount_memory_bytes"
+    }
+    assert all(20 << 20 < value < 2 << 30 for value in rss.values()), rss
     plugin.unpublish("csi-5d41402abc4b2a76", inline[0])
     plugin.unpublish("csi-7d793037a0760186", inline[1])
     assert {s["volume"] for s in samples("pffs_csi_volume_info")} == {"imagenet-handle"}
