@@ -257,6 +257,20 @@ def test_every_kubelet_path_follows_the_value(sidecars: bool) -> None:
     assert seen >= (9 if sidecars else 7)
     # Nowhere in the render, comments aside, is the default path left.
     assert not [s for obj in objects for s in strings(obj) if DEFAULT_KUBELET in s]
+    # The preflight hook checks that path before Helm changes anything, and prints why when it fails.
+    job = one(objects, "Job", "pffs-csi-preflight")
+    hooks = job["metadata"]["annotations"]
+    assert set(hooks["helm.sh/hook"].split(",")) == {"pre-install", "pre-upgrade", "pre-rollback"}
+    assert hooks["helm.sh/hook-output-log-policy"] == "hook-failed"
+    pod = job["spec"]["template"]["spec"]
+    assert pod["hostPID"] is True and job["spec"]["backoffLimit"] == 0
+    assert arg_value(pod["containers"][0]["args"], "--kubelet-dir") == kubelet
+    # The node plugin is Ready only when its --ready-file says ok.
+    plugin = container(one(objects, "DaemonSet", "pffs-csi-node")["spec"]["template"]["spec"], "pffs-csi")
+    ready_file = arg_value(plugin["args"], "--ready-file")
+    assert f"grep -qx ok {ready_file}" in plugin["readinessProbe"]["exec"]["command"][-1]
+    off = {**values, "node": {**values["node"], "preflight": {"enabled": False}}}
+    assert not [o for o in template(off) if o["kind"] == "Job"]
 
 
 def test_values_reach_the_pods() -> None:

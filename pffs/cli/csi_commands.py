@@ -187,9 +187,9 @@ def add_parsers(sub: Any, verbosity: argparse.ArgumentParser) -> None:
         parents=[verbosity],
         help="check that the kubelet is where the node plugin will look for it (a Helm hook runs it)",
         description="Exits 0 if a kubelet serves at --kubelet-dir on this host; else 1, printing the path "
-        "the kubelet really uses when it can be found. The chart runs it before every install and upgrade "
-        "(node.preflight), so a wrong node.kubeletPath stops `helm install` and `helm upgrade` before they "
-        "change anything.",
+        "the kubelet really uses when it can be found. The chart runs it before every install, upgrade and "
+        "rollback (node.preflight), so a wrong node.kubeletPath stops `helm install` and `helm upgrade` "
+        "before they change anything.",
         epilog="example:\n  pffs csi-preflight --kubelet-dir /var/lib/kubelet --host-root /proc/1/root",
     )
     c.add_argument("--kubelet-dir", type=Path, required=True, help="the node.kubeletPath to check")

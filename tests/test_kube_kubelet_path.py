@@ -1,0 +1,288 @@
+"""A wrong `node.kubeletPath`, on a real node with `helm` itself (install, upgrade, rollback), as an operator
+would make the mistake: the chart as shipped, only what this machine forces overridden (test_kube_shipped's
+values).
+
+- A fresh `helm install --wait` with a kubelet path that is not the kubelet's fails, and what Helm prints
+  names node.kubeletPath and the path the kubelet really uses (the chart's preflight hook).
+- With a pod reading a file it holds open: `helm upgrade --wait` to a wrong path fails the same way and
+  changes nothing; forced past the hook (`--no-hooks`, as `helm template | kubectl apply` would), the new
+  node plugin is never Ready (so --wait fails), says why in its readiness probe's Event, and leaves every
+  mount alone; `helm rollback` brings registration back. The pod reads throughout: 0 failed reads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import s3fs
+import yaml
+from helpers import poll, require, sha256
+from test_kube_shipped import (
+    CHART,
+    NAMESPACE,
+    NODE,
+    TOOLS_BIN,
+    apply,
+    csinode_has_driver,
+    daemonset_pods,
+    last_report,
+    missing_tools,
+    reader_pod,
+    shipped_values,
+)
+
+from pffs.testing.kube_node import KubeNode, NodeControlPlane
+from pffs.testing.s3_server import SeaweedS3
+
+REPO = Path(__file__).resolve().parent.parent
+RELEASE = "pffs-csi"
+READER_POD = "held-reader"
+
+pytestmark = [pytest.mark.kube, pytest.mark.s3, pytest.mark.timeout(900)]
+
+
+@dataclass
+class Cluster:
+    cluster: NodeControlPlane
+    node: KubeNode
+    s3: SeaweedS3
+    core: Any
+    apps: Any
+    dynamic: Any
+    root: Path
+    values: Path
+    wrong: Path  # a kubelet path that is not the kubelet's, on a shared mount (as /var/lib on systemd hosts)
+    source: str
+    expected: str
+
+    def helm(self, *args: str, check: bool = False) -> subprocess.CompletedProcess[str]:
+        env = {
+            **os.environ,
+            "KUBECONFIG": str(self.cluster.kubeconfig),
+            "HELM_CACHE_HOME": str(self.root / "helm" / "cache"),
+            "HELM_CONFIG_HOME": str(self.root / "helm" / "config"),
+            "HELM_DATA_HOME": str(self.root / "helm" / "data"),
+        }
+        command = [str(TOOLS_BIN / "helm"), *args, "-n", NAMESPACE]
+        answer = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600, check=False)
+        if check and answer.returncode != 0:
+            raise AssertionError(f"{' '.join(args)} failed:\n{answer.stderr}\n{self.logs()}")
+        return answer
+
+    def logs(self) -> str:
+        parts = [f"--- kubelet\n{self.node.log('kubelet')[-3000:]}"]
+        for pod in self.core.list_namespaced_pod(NAMESPACE).items:
+            for container in pod.spec.containers:
+                try:
+                    text = self.core.read_namespaced_pod_log(
+                        pod.metadata.name, NAMESPACE, container=container.name, tail_lines=40
+                    )
+                except Exception as exc:
+                    text = f"(no log: {exc})"
+                parts.append(f"--- {pod.metadata.name}/{container.name}\n{text}")
+        return "\n".join(parts)
+
+
+@contextlib.contextmanager
+def shared_mount(path: Path) -> Iterator[Path]:
+    """A folder that is a shared mount of itself: a hostPath there with Bidirectional propagation starts
+    (containerd refuses one on a private mount), as a wrong path under /var/lib does on a systemd host."""
+    path.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["mount", "--bind", str(path), str(path)], check=True)
+    try:
+        subprocess.run(["mount", "--make-shared", str(path)], check=True)
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+@pytest.fixture(scope="module")
+def cluster(s3_server: SeaweedS3, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    require(missing_tools(), "the kubelet-path test")
+    from kubernetes import client, dynamic
+
+    from pffs.testing.csi_image import csi_image_archives
+
+    archives = csi_image_archives()
+    root = tmp_path_factory.mktemp("kubelet-path")
+    payload = os.urandom(3 << 20)
+    raw = s3fs.S3FileSystem(skip_instance_cache=True, use_listings_cache=False, **s3_server.storage_options())
+    bucket = f"pffs-kubelet-path-{uuid.uuid4().hex[:8]}"
+    raw.mkdir(bucket)
+    raw.pipe(f"{bucket}/data/file.bin", payload)
+    with (
+        NodeControlPlane(root / "cp", node_names=[NODE], workloads=True) as control_plane,
+        KubeNode(root / "node", control_plane, NODE) as node,
+        shared_mount(root / "wrong-kubelet") as wrong,
+    ):
+        for archive in archives:
+            node.ctr("images", "import", str(archive), timeout=300)
+        values = root / "values.yaml"
+        values.write_text(shipped_values(node, control_plane, root))
+        api = control_plane.api()
+        world = Cluster(
+            control_plane,
+            node,
+            s3_server,
+            client.CoreV1Api(api),
+            client.AppsV1Api(api),
+            dynamic.DynamicClient(api),
+            root,
+            values,
+            wrong,
+            f"s3://{bucket}/data",
+            sha256(payload),
+        )
+        apply(world.dynamic, yaml.safe_load((REPO / "deploy/csi/namespace.yaml").read_text()))
+        try:
+            yield world
+        finally:
+            with contextlib.suppress(Exception):
+                world.core.delete_namespaced_pod(READER_POD, "default", grace_period_seconds=1)
+            with contextlib.suppress(Exception):
+                poll("the reader is gone", lambda: not reader_exists(world), 60)
+                poll("its volume unpublished", lambda: not pffs_mounts(world), 60)
+            world.helm("uninstall", RELEASE, "--wait", "--timeout", "3m")
+
+
+def reader_exists(world: Cluster) -> bool:
+    return any(p.metadata.name == READER_POD for p in world.core.list_namespaced_pod("default").items)
+
+
+def pffs_mounts(world: Cluster) -> list[str]:
+    lines = Path("/proc/self/mountinfo").read_text().splitlines()
+    return [line for line in lines if "fuse.pffs" in line and str(world.root) in line]
+
+
+def plugin_ready(world: Cluster) -> bool:
+    pods = daemonset_pods(world, "pffs-csi-node")
+    return len(pods) == 1 and any(
+        c.type == "Ready" and c.status == "True" for c in pods[0].status.conditions or []
+    )
+
+
+def test_a_fresh_install_with_a_wrong_kubelet_path_fails_naming_the_value_and_the_real_path(
+    cluster: Cluster,
+) -> None:
+    wrong = "/var/lib/kubelet-of-another-distribution"
+    started = time.monotonic()
+    answer = cluster.helm(
+        "install", RELEASE, str(CHART), "-f", str(cluster.values), "--set", f"node.kubeletPath={wrong}",
+        "--wait", "--timeout", "3m",
+    )  # fmt: skip
+    took = time.monotonic() - started
+    assert answer.returncode != 0, answer.stdout
+    assert f"node.kubeletPath is {wrong}, but no kubelet serves there" in answer.stderr, answer.stderr
+    assert f"the kubelet on this node uses {cluster.node.kubelet_root}" in answer.stderr, answer.stderr
+    assert f"set node.kubeletPath={cluster.node.kubelet_root}" in answer.stderr, answer.stderr
+    # Nothing of the chart was made: no plugin anywhere looks for the kubelet in the wrong place.
+    assert not cluster.apps.list_namespaced_daemon_set(NAMESPACE).items
+    print(f"install with a wrong node.kubeletPath: failed in {took:.1f} s, saying:\n{answer.stderr.strip()}")
+    cluster.helm("uninstall", RELEASE, check=True)  # the failed release's record
+
+
+def test_an_upgrade_to_a_wrong_kubelet_path_and_a_rollback_cost_a_pod_holding_a_file_nothing(
+    cluster: Cluster,
+) -> None:
+    world = cluster
+    started = time.monotonic()
+    world.helm(
+        "install", RELEASE, str(CHART), "-f", str(world.values), "--wait", "--timeout", "5m", check=True
+    )
+    poll("the kubelet registers csi.pffs.io", lambda: csinode_has_driver(world), 60, world.logs)
+    print(f"helm install --wait (preflight hook included): {time.monotonic() - started:.1f} s")
+    start_reader(world)
+    plugin_uid = daemonset_pods(world, "pffs-csi-node")[0].metadata.uid
+
+    # 1. The upgrade: the preflight hook stops it before anything changes.
+    answer = world.helm(
+        "upgrade", RELEASE, str(CHART), "--reuse-values", "--set", f"node.kubeletPath={world.wrong}",
+        "--wait", "--timeout", "3m",
+    )  # fmt: skip
+    assert answer.returncode != 0
+    assert f"node.kubeletPath is {world.wrong}, but no kubelet serves there" in answer.stderr, answer.stderr
+    assert f"uses {world.node.kubelet_root}" in answer.stderr, answer.stderr
+    assert daemonset_pods(world, "pffs-csi-node")[0].metadata.uid == plugin_uid
+    reads_on(world, "the refused upgrade")
+
+    # 2. Forced past the hook: the new plugin is never Ready, says why, and leaves the mounts alone.
+    before = last_report(world, READER_POD) or {}
+    answer = world.helm(
+        "upgrade", RELEASE, str(CHART), "--reuse-values", "--set", f"node.kubeletPath={world.wrong}",
+        "--no-hooks", "--wait", "--timeout", "40s",
+    )  # fmt: skip
+    assert answer.returncode != 0, "helm upgrade --wait succeeded with a plugin that cannot find its kubelet"
+    pods = daemonset_pods(world, "pffs-csi-node")
+    assert len(pods) == 1 and pods[0].metadata.uid != plugin_uid and not plugin_ready(world)
+    message = poll("the readiness probe's Event", lambda: probe_message(world, pods[0].metadata.name), 30)
+    assert f"node.kubeletPath is {world.wrong}" in message and str(world.node.kubelet_root) in message, (
+        message
+    )
+    reads_on(world, "the upgrade to a wrong kubelet path")
+    assert (last_report(world, READER_POD) or {}).get("held_ok", 0) > before.get("held_ok", 0)
+    log = world.core.read_namespaced_pod_log(pods[0].metadata.name, NAMESPACE, container="pffs-csi")
+    assert "mounting it again" not in log and "moves from" not in log, log
+
+    # 3. The rollback: registered again, Ready, and the pod never noticed.
+    started = time.monotonic()
+    world.helm("rollback", RELEASE, "1", "--wait", "--timeout", "3m", check=True)
+    poll("the kubelet registers csi.pffs.io again", lambda: csinode_has_driver(world), 60, world.logs)
+    poll("the node plugin Ready", lambda: plugin_ready(world), 60, world.logs)
+    print(f"helm rollback --wait to registered: {time.monotonic() - started:.1f} s")
+    report = reads_on(world, "the rollback")
+    print(f"held-file reader through upgrade to a wrong path and rollback: {report}")
+
+
+def start_reader(world: Cluster) -> None:
+    secret = {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": "pffs-s3-credentials", "namespace": "default"},
+        "stringData": {"accessKeyId": world.s3.access_key, "secretAccessKey": world.s3.secret_key},
+    }
+    apply(world.dynamic, secret)
+    inline = {
+        "csi": {
+            "driver": "csi.pffs.io",
+            "readOnly": True,
+            "volumeAttributes": {"source": world.source, "endpointUrl": world.s3.endpoint_url},
+            "nodePublishSecretRef": {"name": "pffs-s3-credentials"},
+        }
+    }
+    apply(world.dynamic, reader_pod(READER_POD, inline, False, world.expected))
+    poll(
+        "the reader reads its file",
+        lambda: (last_report(world, READER_POD) or {}).get("reopen_ok"),
+        120,
+        world.logs,
+    )
+
+
+def reads_on(world: Cluster, after: str) -> dict[str, Any]:
+    """The reader has read its held file and a reopened one a few times more since now, and no read of
+    either ever failed."""
+    before = last_report(world, READER_POD) or {}
+    poll(
+        f"the reader reads on after {after}",
+        lambda: (last_report(world, READER_POD) or {}).get("held_ok", 0) > before.get("held_ok", 0) + 3,
+        60,
+        world.logs,
+    )
+    report = last_report(world, READER_POD)
+    assert report is not None
+    assert report["held_fail"] == 0 and report["reopen_fail"] == 0, (after, report)
+    return report
+
+
+def probe_message(world: Cluster, pod: str) -> str:
+    events = world.core.list_namespaced_event(NAMESPACE, field_selector=f"involvedObject.name={pod}").items
+    return next((e.message for e in events if e.reason == "Unhealthy" and "Readiness" in e.message), "")
