@@ -26,6 +26,7 @@ from pffs.csi.ports import can_bind
 from pffs.fuse.ending import describe_exit_code
 from pffs.fuse.launch import start_mount_process
 from pffs.fuse.options import MountOptions
+from pffs.log_lines import logs_json, relayed_line
 
 log = logging.getLogger(__name__)
 
@@ -239,6 +240,7 @@ class LogRelay:
             if not end:
                 return
             followed.offset += end
+        as_json = logs_json()  # `--log-format json`: the mounts' lines too, one JSON object each
         for line in data[:end].decode(errors="replace").splitlines():
-            sys.stderr.write(f"mount[volume={followed.volume}] {line}\n")
+            sys.stderr.write(relayed_line(line, followed.volume, as_json) + "\n")
         sys.stderr.flush()

@@ -2,24 +2,10 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
-
-class JsonFormatter(logging.Formatter):
-    """One JSON object per line (time, level, logger, message), for log collectors."""
-
-    def format(self, record: logging.LogRecord) -> str:
-        entry = {
-            "time": self.formatTime(record, "%Y-%m-%dT%H:%M:%S"),
-            "level": record.levelname.lower(),
-            "logger": record.name,
-            "message": record.getMessage(),
-        }
-        if record.exc_info:
-            entry["exception"] = self.formatException(record.exc_info)
-        return json.dumps(entry)
+from pffs.log_lines import JsonFormatter
 
 
 def configure_logging(verbosity: int, log_file: Path | None = None, log_format: str = "text") -> None:
