@@ -464,13 +464,10 @@ class VolumeManager:
             raise
         self.metrics.recoveries.inc()
         self._told_down.discard(staged.pid)
-        self._tell_pods(
-            staged,
-            "Warning",
-            "PffsMountRepaired",
-            f"the pffs mount of {staged.attributes.get('source')} died ({ended}) and was mounted again; "
-            "files opened before then fail with ENOTCONN and must be opened again",
-        )
+        source = staged.attributes.get("source", "")
+        for target, info in list(staged.targets.items()):
+            if info.pod is not None:  # PffsMountRepaired, or why the pod does not see it (pods.py)
+                self.pods.post_repaired(info.pod, target, source, ended)
 
     def _tell_pods(self, staged: Staged, kind: str, reason: str, message: str) -> None:
         for target in staged.targets.values():
