@@ -13,8 +13,10 @@ values).
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -201,6 +203,10 @@ def test_an_upgrade_to_a_wrong_kubelet_path_and_a_rollback_cost_a_pod_holding_a_
     poll("the kubelet registers csi.pffs.io", lambda: csinode_has_driver(world), 60, world.logs)
     print(f"helm install --wait (preflight hook included): {time.monotonic() - started:.1f} s")
     start_reader(world)
+    listed = pffs_csi_pods(world, "--json")
+    rows = [(r["node"], r["pod"], r["kind"], r["read_only"], r["sees_repair"]) for r in json.loads(listed)]
+    assert rows == [(NODE, READER_POD, "inline", True, True)], listed
+    print(f"pffs csi-pods:\n{pffs_csi_pods(world)}")
     plugin_uid = daemonset_pods(world, "pffs-csi-node")[0].metadata.uid
 
     # 1. The upgrade: the preflight hook stops it before anything changes.
@@ -240,6 +246,20 @@ def test_an_upgrade_to_a_wrong_kubelet_path_and_a_rollback_cost_a_pod_holding_a_
     print(f"helm rollback --wait to registered: {time.monotonic() - started:.1f} s")
     report = reads_on(world, "the rollback")
     print(f"held-file reader through upgrade to a wrong path and rollback: {report}")
+
+
+def pffs_csi_pods(world: Cluster, *args: str) -> str:
+    command = [
+        sys.executable,
+        "-m",
+        "pffs.cli.main",
+        "csi-pods",
+        "--kubeconfig",
+        str(world.cluster.kubeconfig),
+    ]
+    answer = subprocess.run([*command, *args], capture_output=True, text=True, timeout=60, check=False)
+    assert answer.returncode == 0, answer.stderr
+    return answer.stdout
 
 
 def start_reader(world: Cluster) -> None:
