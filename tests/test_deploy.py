@@ -571,6 +571,7 @@ def assert_args_follow_the_image_entrypoint(objects: list[dict[str, Any]]) -> No
         ("DaemonSet", "pffs-csi-mounter"): ["csi-mounter"],
         ("Deployment", "pffs-csi-controller"): ["csi", "--mode", "controller"],
         ("Job", "pffs-csi-preflight"): ["csi-preflight", "--kubelet-dir"],
+        ("Job", "pffs-csi-uninstall"): ["csi-uninstall", "--in-cluster"],
     }
     seen = set()
     for obj, spec in pod_specs(objects):

@@ -270,7 +270,7 @@ def test_every_kubelet_path_follows_the_value(sidecars: bool) -> None:
     ready_file = arg_value(plugin["args"], "--ready-file")
     assert f"grep -qx ok {ready_file}" in plugin["readinessProbe"]["exec"]["command"][-1]
     off = {**values, "node": {**values["node"], "preflight": {"enabled": False}}}
-    assert not [o for o in template(off) if o["kind"] == "Job"]
+    assert not [o for o in template(off) if o["metadata"]["name"] == "pffs-csi-preflight"]
 
 
 def test_values_reach_the_pods() -> None:
@@ -342,6 +342,45 @@ def test_the_controller_rolls_out_without_a_surge_pod_wanting_the_old_ones_host_
             "type": "RollingUpdate",
             "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1},
         }
+
+
+def test_uninstall_runs_a_post_delete_hook_with_just_the_rules_it_needs() -> None:
+    """`helm uninstall` then removes what the driver wrote at run time (the Nodes' annotations, the
+    Leases): a post-delete Job with its own ServiceAccount and rules, all hooks (the release's own are gone
+    by then), all removed once it succeeded; uninstall.cleanup: false renders none of them."""
+    hooks = [
+        o for o in template({}) if o["metadata"].get("annotations", {}).get("helm.sh/hook") == "post-delete"
+    ]
+    assert {(o["kind"], o["metadata"]["name"]) for o in hooks} == {
+        (kind, "pffs-csi-uninstall")
+        for kind in ("ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding", "Job")
+    }
+    for o in hooks:
+        policy = o["metadata"]["annotations"]["helm.sh/hook-delete-policy"]
+        assert policy == "before-hook-creation,hook-succeeded", o["kind"]
+        weight = int(o["metadata"]["annotations"].get("helm.sh/hook-weight", "0"))
+        assert weight < 0 if o["kind"] != "Job" else weight == 0, o["kind"]  # its rules exist first
+    (job,) = [o for o in hooks if o["kind"] == "Job"]
+    pod = job["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == "pffs-csi-uninstall"
+    assert pod["containers"][0]["args"][:4] == ["csi-uninstall", "--in-cluster", "--namespace", NAMESPACE]
+    rules = {
+        (kind, resource, verb)
+        for o in hooks
+        if o["kind"] in ("ClusterRole", "Role")
+        for rule in o["rules"]
+        for resource in rule["resources"]
+        for verb in rule["verbs"]
+        for kind in [o["kind"]]
+    }
+    assert rules == {
+        ("ClusterRole", "nodes", "list"),
+        ("ClusterRole", "nodes", "patch"),
+        ("Role", "pods", "list"),
+        ("Role", "leases", "delete"),
+    }
+    off = template({"uninstall": {"cleanup": False}})
+    assert not [o for o in off if o["metadata"]["name"] == "pffs-csi-uninstall"]
 
 
 def test_every_top_level_value_is_documented() -> None:

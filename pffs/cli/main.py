@@ -15,6 +15,7 @@ from pffs.cli import (
     read_commands,
     sched_commands,
     scheduler_commands,
+    uninstall_commands,
 )
 from pffs.cli.errors import EXIT_USAGE, run_reporting_errors
 from pffs.cli.logs import configure_logging
@@ -108,6 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     scheduler_commands.add_parsers(sub, verbosity)
     sched_commands.add_parsers(sub, verbosity)
     csi_commands.add_parsers(sub, verbosity)
+    uninstall_commands.add_parsers(sub, verbosity)
     return parser
 
 
