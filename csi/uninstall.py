@@ -42,8 +42,8 @@ def clean_up(api_client: Any, namespace: str, wait_s: float = 120.0, poll_s: flo
     from kubernetes import client
     from kubernetes.client.exceptions import ApiException
 
-    core = client.CoreV1Api(api_client)
-    leases = client.CoordinationV1Api(api_client)
+    core: Any = client.CoreV1Api(api_client)
+    leases: Any = client.CoordinationV1Api(api_client)
     done = Cleaned()
     deadline = time.monotonic() + wait_s
     while True:
