@@ -16,7 +16,6 @@ import math
 import os
 import re
 import signal
-import socket
 import stat
 import subprocess
 import sys
@@ -37,7 +36,13 @@ from prometheus_client.parser import text_string_to_metric_families
 from pffs.csi import csi_pb2
 from pffs.processes import is_alive, is_mount_process
 from pffs.scheduler.kube.locality import CACHE_ANNOTATION, node_cache
-from pffs.testing.csi_plugin import CsiPlugin, holds_files_under, processes_with_files_under, wait_gone
+from pffs.testing.csi_plugin import (
+    CsiPlugin,
+    FakeKubelet,
+    holds_files_under,
+    processes_with_files_under,
+    wait_gone,
+)
 from pffs.testing.kubeconfig import token_kubeconfig
 from pffs.testing.s3_server import SeaweedS3, free_ports
 
@@ -1521,33 +1526,6 @@ def test_the_kubelet_is_found_by_its_sockets_and_a_wrong_path_is_named(tmp_path:
         (proc / pid / "cmdline").write_bytes(argv)
     assert kubelet_process_roots(proc) == ["/data/kubelet"]
     assert "uses /data/kubelet (from the kubelet process's --root-dir)" in str(kubelet_problem("/x", proc))
-
-
-class FakeKubelet:
-    """What the plugin knows a live kubelet by: a unix socket listening at ROOT/pod-resources/kubelet.sock
-    (bound through the folder's descriptor, so ROOT may be longer than a socket address)."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.listener: socket.socket | None = None
-
-    def __enter__(self) -> FakeKubelet:
-        folder = self.root / "pod-resources"
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / "kubelet.sock").unlink(missing_ok=True)
-        dir_fd = os.open(folder, os.O_PATH | os.O_DIRECTORY)
-        try:
-            self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            self.listener.bind(f"/proc/self/fd/{dir_fd}/kubelet.sock")
-            self.listener.listen(16)
-        finally:
-            os.close(dir_fd)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.listener is not None:
-            self.listener.close()  # the socket file stays, as a dead kubelet's does
-            self.listener = None
 
 
 @contextlib.contextmanager

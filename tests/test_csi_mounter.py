@@ -24,7 +24,7 @@ from helpers import poll, sha256
 from pffs.csi import csi_pb2
 from pffs.csi.mounts import mount_stack, unmount_all
 from pffs.processes import is_alive
-from pffs.testing.csi_plugin import CsiPlugin
+from pffs.testing.csi_plugin import CsiPlugin, FakeKubelet
 from pffs.testing.s3_server import SeaweedS3, free_ports
 
 pytestmark = [
@@ -125,7 +125,8 @@ def node(tmp_path: Path) -> Iterator[Path]:
     subprocess.run(["mount", "--bind", str(kubelet), str(kubelet)], check=True)
     subprocess.run(["mount", "--make-shared", str(kubelet)], check=True)
     try:
-        yield kubelet
+        with FakeKubelet(kubelet):  # a kubelet serves there: the plugin takes the node's mounts up
+            yield kubelet
     finally:
         for line in reversed(Path("/proc/self/mountinfo").read_text().splitlines()):
             point = line.split()[4]
@@ -285,6 +286,7 @@ def test_a_path_the_host_would_not_see_fails_with_failed_precondition_naming_the
     kubelet = tmp_path / "kubelet"  # a plain folder: not a mount shared with the host
     kubelet.mkdir()
     short = Path(tempfile.mkdtemp(prefix="pffs-precondition-", dir="/run"))
+    fake_kubelet = FakeKubelet(kubelet).__enter__()
     capability = csi_pb2.VolumeCapability(
         mount=csi_pb2.VolumeCapability.MountVolume(),
         access_mode=AccessMode(mode=AccessMode.MULTI_NODE_READER_ONLY),
@@ -311,6 +313,7 @@ def test_a_path_the_host_would_not_see_fails_with_failed_precondition_naming_the
                 assert words in caught.value.details() and "node.kubeletPath" in caught.value.details()
                 assert not staging.exists() or not os.listdir(staging)
     finally:
+        fake_kubelet.__exit__()
         subprocess.run(["rm", "-rf", str(short)], check=False)
 
 

@@ -16,6 +16,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -228,3 +229,30 @@ def wait_gone(pids: set[int], timeout_s: float) -> set[int]:
     while time.monotonic() < deadline and any(is_alive(p) for p in pids):
         time.sleep(0.05)
     return {p for p in pids if is_alive(p)}
+
+
+class FakeKubelet:
+    """What the plugin knows a live kubelet by: a unix socket listening at ROOT/pod-resources/kubelet.sock
+    (bound through the folder's descriptor, so ROOT may be longer than a socket address)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.listener: socket.socket | None = None
+
+    def __enter__(self) -> FakeKubelet:
+        folder = self.root / "pod-resources"
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "kubelet.sock").unlink(missing_ok=True)
+        dir_fd = os.open(folder, os.O_PATH | os.O_DIRECTORY)
+        try:
+            self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self.listener.bind(f"/proc/self/fd/{dir_fd}/kubelet.sock")
+            self.listener.listen(16)
+        finally:
+            os.close(dir_fd)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.listener is not None:
+            self.listener.close()  # the socket file stays, as a dead kubelet's does
+            self.listener = None
