@@ -39,10 +39,12 @@ class BlockCache:
         memory_capacity_bytes: int,
         direct_io: bool = False,
         keep_stored_bound: bool = False,
+        free_space_ratio: float = 0.0,
     ) -> None:
         """`direct_io`: write and read the disk tier around the page cache (for a FUSE mount, whose files
         the kernel caches already); else through it (the page cache then keeps the disk tier hot).
-        `keep_stored_bound`: the disk tier keeps the bound it was last given (see DiskTier)."""
+        `keep_stored_bound`: the disk tier keeps the bound it was last given (see DiskTier).
+        `free_space_ratio`: the share of its file system the disk tier leaves free (see DiskTier)."""
         self.directory = Path(directory) if directory is not None else None
         self.disk: DiskTier | None = None
         self.locks: BlockLocks | StripedFileLocks | None = None
@@ -51,7 +53,12 @@ class BlockCache:
                 self.directory.mkdir(parents=True, exist_ok=True)
                 self.stats = CacheStats(self.directory / STATS_FILE)
                 self.disk = DiskTier(
-                    self.directory, disk_capacity_bytes, self.stats, direct_io, keep_stored_bound
+                    self.directory,
+                    disk_capacity_bytes,
+                    self.stats,
+                    direct_io,
+                    keep_stored_bound,
+                    free_space_ratio,
                 )
                 self.locks = block_locks(self.directory / "locks")
             except (OSError, sqlite3.Error) as exc:
@@ -339,6 +346,7 @@ class BlockCache:
             "disk_bytes": self.disk.used_bytes() if self.disk is not None else 0,
             "disk_blocks": len(self.disk) if self.disk is not None else 0,
             "disk_capacity_bytes": self.disk.capacity_bytes if self.disk is not None else 0,
+            "disk_bound_bytes": self.disk.bound_bytes() if self.disk is not None else 0,
         }
 
     def machine_totals(self) -> dict[str, int]:

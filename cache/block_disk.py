@@ -24,6 +24,7 @@ import fcntl
 import hashlib
 import mmap
 import os
+import sqlite3
 import threading
 import time
 from collections import OrderedDict
@@ -169,6 +170,9 @@ class BlockStore(diskcache.Cache):
 
     TOUCH_FLUSH_S = 2.0
     HEADERS_KEPT = 4096  # parsed headers of recently range-read blocks (a block's header never changes)
+    # Share of the file system the store keeps free, whatever its size limit: it evicts to stay there
+    # (set by the owner; as Mountpoint keeps 5% and JuiceFS 10% by default).
+    free_space_ratio = 0.0
 
     @property
     def direct_io(self) -> bool:
@@ -213,8 +217,24 @@ class BlockStore(diskcache.Cache):
             return None
         self._touched[key] = time.time()
         if time.monotonic() >= self._next_touch_flush:
-            self.flush_touches()
+            # A full disk (or a locked index) must not cost the block just read: access times are a
+            # hint for eviction order, and the next flush carries on.
+            with contextlib.suppress(OSError, sqlite3.Error):
+                self.flush_touches()
         return data
+
+    def bound(self) -> int:
+        """The bytes the store may hold now: its size limit, or less where the file system it lives on
+        would otherwise have less than `free_space_ratio` of itself free (filled by others, or small)."""
+        limit = int(self.size_limit)
+        if self.free_space_ratio <= 0:
+            return limit
+        try:
+            fs = os.statvfs(self.directory)
+        except OSError:
+            return limit
+        room = fs.f_bavail * fs.f_frsize - int(self.free_space_ratio * fs.f_blocks * fs.f_frsize)
+        return max(0, min(limit, int(self.volume()) + room))
 
     def has_block(self, key: str) -> bool:
         return os.path.exists(self.block_path(key))
@@ -272,6 +292,7 @@ class BlockStore(diskcache.Cache):
         them; returns (blocks evicted, keys reserved)."""
         reserved: set[str] = set()
         with self._transact(retry=True) as (sql, _):
+            bound = self.bound()  # before the reservations: the disk holds what the index counts now
             for key, payload, filename in wanted:
                 db_key, raw = self._disk.put(key)
                 found = sql(
@@ -291,10 +312,10 @@ class BlockStore(diskcache.Cache):
                     (db_key, raw, now, RESERVED + now, size, MODE_BINARY, filename),
                 )
                 reserved.add(key)
-            evicted = self._make_room(sql, now)
+            evicted = self._make_room(sql, now, bound)
             # Still over (blocks reserved at once outgrow the limit): the last of ours go unkept.
             for key, _, _ in reversed(wanted):
-                if self.volume() <= self.size_limit or not reserved:
+                if self.volume() <= bound or not reserved:
                     break
                 if key in reserved:
                     db_key, raw = self._disk.put(key)
@@ -302,14 +323,14 @@ class BlockStore(diskcache.Cache):
                     reserved.discard(key)
         return evicted, reserved
 
-    def _make_room(self, sql: Any, now: float) -> int:
-        """Evicts least recently used blocks until the store is within its limit, removing their files
-        before the transaction ends (so no file outlives the row that counts it); then reservations left
-        by a process that died while writing (older than STALE_RESERVATION_S)."""
+    def _make_room(self, sql: Any, now: float, bound: int) -> int:
+        """Evicts least recently used blocks until the store holds at most `bound` bytes, removing their
+        files before the transaction ends (so no file outlives the row that counts it); then reservations
+        left by a process that died while writing (older than STALE_RESERVATION_S)."""
         self._flush_touches_in(sql)
         evicted = 0
         for limit in (RESERVED, RESERVED + now - STALE_RESERVATION_S):
-            while self.volume() > self.size_limit:
+            while self.volume() > bound:
                 rows = sql(
                     "SELECT rowid, filename FROM Cache WHERE access_time < ? ORDER BY access_time LIMIT 16",
                     (limit,),
@@ -366,5 +387,6 @@ class BlockStore(diskcache.Cache):
             )
 
     def cull(self, retry: bool = False) -> int:
-        self.flush_touches()
-        return int(super().cull(retry=retry))
+        """Evicts down to the bound in force (see bound); returns the number of blocks evicted."""
+        with self._transact(retry=True) as (sql, _):
+            return self._make_room(sql, time.time(), self.bound())

@@ -35,9 +35,11 @@ class DiskTier:
         stats: CacheStats,
         direct_io: bool = False,
         keep_stored_bound: bool = False,
+        free_space_ratio: float = 0.0,
     ) -> None:
         """`keep_stored_bound`: the bound is the cache's own, as last set (stored in its index), and
-        `capacity_bytes` only that of a new cache. Else `capacity_bytes` is the bound from now on."""
+        `capacity_bytes` only that of a new cache. Else `capacity_bytes` is the bound from now on.
+        `free_space_ratio`: the share of its file system the tier leaves free, evicting to keep it."""
         self.directory = Path(directory)
         self.stats = stats
         self._writes_disabled_until = 0.0
@@ -55,6 +57,7 @@ class DiskTier:
         )
         self.capacity_bytes = int(self._cache.size_limit)
         self._cache.direct_io = direct_io
+        self._cache.free_space_ratio = free_space_ratio
         self.writer = DiskWriter(self._put_batch, WRITE_BEHIND_BYTES)
 
     def get(
@@ -136,6 +139,10 @@ class DiskTier:
 
     def used_bytes(self) -> int:
         return int(self._cache.volume())
+
+    def bound_bytes(self) -> int:
+        """The bound in force: capacity_bytes, or less where the file system must keep its free share."""
+        return self._cache.bound()
 
     def __len__(self) -> int:
         return len(self._cache)

@@ -65,6 +65,11 @@ class CacheSettings(BaseModel):
     cache_dir: Path = Field(default_factory=default_cache_dir)
     cache_size: Size = Field(10 << 30, description="disk tier bound, bytes")
     memory_cache_size: Size = Field(512 << 20, description="memory tier bound per process, bytes")
+    # As Mountpoint (5%) and JuiceFS (10%) do: the disk tier never fills its file system past this share,
+    # whatever cache_size says, and evicts to stay there when others fill it.
+    cache_free_space: float = Field(
+        0.05, ge=0, lt=1, description="share of the cache's file system left free (0.05 or 5%)"
+    )
     block_size: Size = Field(4 << 20, description="cache block size, bytes")
     metadata_ttl: float = Field(60.0, ge=0, description="seconds a stat or listing is trusted")
     readahead_size: Size = Field(64 << 20, description="bytes of read-ahead in flight per process")
@@ -73,6 +78,16 @@ class CacheSettings(BaseModel):
     # would hold every byte twice (and copying blocks into the page cache costs more CPU here than the
     # network transfer). The SDK goes through the page cache, which keeps the disk tier hot.
     direct_io: bool = Field(False, description="write and read the disk tier with O_DIRECT")
+
+    @field_validator("cache_free_space", mode="before")
+    @classmethod
+    def _percent(cls, value: object) -> object:
+        if isinstance(value, str) and value.strip().endswith("%"):
+            try:
+                return float(value.strip()[:-1]) / 100
+            except ValueError:
+                raise ValueError(f"{value!r} is not a share (5% or 0.05)") from None
+        return value
 
     @field_validator("block_size")
     @classmethod

@@ -11,7 +11,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -264,18 +264,25 @@ def test_unusable_cache_directory_falls_back_to_memory(
     assert "not usable" in caplog.text
 
 
-@pytest.fixture
-def tiny_tmpfs(tmp_path: Path) -> object:
-    """A 1 MiB tmpfs: a cache disk that fills up."""
-    mnt = tmp_path / "tiny"
-    mnt.mkdir()
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True)
+@contextlib.contextmanager
+def tmpfs(folder: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of `size` mounted at `folder` (made) for the test, unmounted after."""
+    folder.mkdir()
+    mount = ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)]
+    result = subprocess.run(mount, capture_output=True)
     if result.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here (needs root): {result.stderr.decode().strip()}")
     try:
-        yield mnt
+        yield folder
     finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
+        subprocess.run(["umount", "-l", str(folder)], check=False)
+
+
+@pytest.fixture
+def tiny_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """A 1 MiB tmpfs: a cache disk that fills up."""
+    with tmpfs(tmp_path / "tiny", "1m") as folder:
+        yield folder
 
 
 def test_full_cache_disk_still_serves_reads_and_warns_once(
@@ -292,6 +299,60 @@ def test_full_cache_disk_still_serves_reads_and_warns_once(
     assert cache.stats.snapshot()["disk_write_failures"] >= 1
     for key, payload in payloads.items():  # what did get cached is still correct
         assert bytes(cache.get(key, lambda p=payload: p)) == payload
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """A 16 MiB tmpfs: a small file system for the cache to share."""
+    with tmpfs(tmp_path / "small", "16m") as folder:
+        yield folder
+
+
+def free_share(path: Path) -> float:
+    fs = os.statvfs(path)
+    return fs.f_bavail / fs.f_blocks
+
+
+def test_the_disk_tier_keeps_its_file_systems_free_share(small_tmpfs: Path) -> None:
+    cache = BlockCache(
+        small_tmpfs, disk_capacity_bytes=10 << 30, memory_capacity_bytes=0, free_space_ratio=0.25
+    )
+    assert cache.disk is not None
+    payloads = {f"k{i}": os.urandom(256 * KIB) for i in range(80)}  # 20 MiB through 16 MiB
+    for key, payload in payloads.items():
+        assert bytes(cache.get(key, lambda p=payload: p)) == payload
+        cache.wait_for_disk()
+        # 25% kept free, give or take the block being written and the index's pages
+        assert free_share(small_tmpfs) >= 0.25 - 2 * 256 * KIB / (16 << 20), cache.usage()
+    counts = cache.stats.snapshot()
+    assert counts["disk_evictions"] > 20 and counts.get("disk_write_failures", 0) == 0
+    usage = cache.usage()
+    assert usage["disk_capacity_bytes"] == 10 << 30 and usage["disk_bound_bytes"] < 12 << 20
+    # least recently used went first; what is held reads back exact, from the disk
+    assert cache.disk.contains("k79") and not cache.disk.contains("k0")
+    assert bytes(cache.get("k79", lambda: pytest.fail("fetched again"))) == payloads["k79"]
+
+
+def test_a_disk_filled_by_others_still_serves_what_the_cache_holds(
+    small_tmpfs: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pffs.cache.block_disk import BlockStore
+
+    monkeypatch.setattr(BlockStore, "TOUCH_FLUSH_S", 0.0)  # every read records its access at once
+    cache = BlockCache(small_tmpfs, disk_capacity_bytes=10 << 30, memory_capacity_bytes=0)
+    payloads = {f"k{i}": os.urandom(256 * KIB) for i in range(8)}
+    for key, payload in payloads.items():
+        cache.get(key, lambda p=payload: p)
+    cache.wait_for_disk()
+    fd = os.open(small_tmpfs / "someone-else.bin", os.O_WRONLY | os.O_CREAT)  # another program fills it
+    with contextlib.suppress(OSError):
+        while True:
+            os.write(fd, b"x" * (64 * KIB))
+    os.close(fd)
+    assert os.statvfs(small_tmpfs).f_bavail == 0
+    for key, payload in payloads.items():
+        assert bytes(cache.get(key, lambda k=key: pytest.fail(f"{k} fetched again"))) == payload
+    assert cache.stats.snapshot()["disk_hits"] == len(payloads)
 
 
 def _fetch_in_child(

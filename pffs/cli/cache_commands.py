@@ -65,6 +65,7 @@ def collect_stats(args: argparse.Namespace) -> dict[str, Any]:
             "disk_capacity_bytes": (
                 cache.disk.capacity_bytes if cache.disk is not None else settings.cache_size
             ),
+            "disk_bound_bytes": cache.disk.bound_bytes() if cache.disk is not None else settings.cache_size,
         },
         "backend_requests": backend,
     }
@@ -134,15 +135,23 @@ def stats(args: argparse.Namespace) -> int:
         rows = [("mount", f"{report['source']} at {report['mountpoint']} (pid {report['pid']})")]
     else:
         rows = [("cache directory", report["cache_dir"])]
-    used = usage["disk_bytes"] / usage["disk_capacity_bytes"] if usage["disk_capacity_bytes"] else 0
+    # The bound in force: --cache-size, or less where the cache's file system keeps its free share.
+    bound = min(usage["disk_capacity_bytes"], usage.get("disk_bound_bytes", usage["disk_capacity_bytes"]))
+    used = usage["disk_bytes"] / bound if bound else 0
+    held_back = (
+        f" (--cache-size {format_size(usage['disk_capacity_bytes'])}; the file system keeps its free share)"
+        if bound < usage["disk_capacity_bytes"]
+        else ""
+    )
     rows += _reads_rows(cache)
     rows += [
         ("bytes fetched from the backend", format_size(cache["bytes_fetched"])),
         ("evictions memory / disk", f"{cache['memory_evictions']:,} / {cache['disk_evictions']:,}"),
         (
             "disk used",
-            f"{format_size(usage['disk_bytes'])} of {format_size(usage['disk_capacity_bytes'])} ({used:.0%})"
-            + (f", {usage['disk_blocks']:,} blocks" if "disk_blocks" in usage else ""),
+            f"{format_size(usage['disk_bytes'])} of {format_size(bound)} ({used:.0%})"
+            + (f", {usage['disk_blocks']:,} blocks" if "disk_blocks" in usage else "")
+            + held_back,
         ),
     ]
     if report["scope"] == "mount":

@@ -14,7 +14,14 @@ if TYPE_CHECKING:
     from pffs.vfs import Vfs
 
 
-CACHE_OPTIONS = ("cache_dir", "cache_size", "memory_cache_size", "block_size", "metadata_ttl")
+CACHE_OPTIONS = (
+    "cache_dir",
+    "cache_size",
+    "cache_free_space",
+    "memory_cache_size",
+    "block_size",
+    "metadata_ttl",
+)
 BACKEND_OPTIONS = {
     "endpoint_url": "endpoint_url",
     "region": "region",

@@ -145,6 +145,7 @@ def open_listing(url: str, args: argparse.Namespace) -> Iterator[Listing]:
         settings.cache_size,
         0,
         keep_stored_bound=True,
+        free_space_ratio=settings.cache_free_space,
     )
     try:
         yield Listing(Vfs(backend, settings, cache), root, Path(settings.cache_dir), cache_here)

@@ -60,6 +60,12 @@ def global_options() -> argparse.ArgumentParser:
         help="disk cache directory, shared by all processes (default: $PFFS_CACHE_DIR or ~/.cache/pffs)",
     )
     g.add_argument("--cache-size", default=s, help="disk cache bound (default 10G)")
+    g.add_argument(
+        "--cache-free-space",
+        default=s,
+        help="share of the cache's file system kept free: the cache evicts to keep it, whatever "
+        "--cache-size says (default 5%%; 0 turns it off)",
+    )
     g.add_argument("--memory-cache-size", default=s, help="memory cache bound per process (default 512M)")
     g.add_argument("--block-size", default=s, help="cache block size (default 4M)")
     g.add_argument(

@@ -205,6 +205,7 @@ def shared_block_cache(settings: CacheSettings) -> BlockCache:
         bound_given,
         settings.memory_cache_size,
         settings.direct_io,
+        settings.cache_free_space,
     )
     cache = _shared_caches.get(key)
     if cache is None:
@@ -215,6 +216,7 @@ def shared_block_cache(settings: CacheSettings) -> BlockCache:
             settings.memory_cache_size,
             settings.direct_io,
             keep_stored_bound=not bound_given,
+            free_space_ratio=settings.cache_free_space,
         )
     return cache
 
