@@ -17,6 +17,7 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 import s3fs
 from helpers import poll, sha256
@@ -141,8 +142,17 @@ class Mounter:
         self.metrics_port = free_ports(1)[0]
         self.process: subprocess.Popen[bytes] | None = None
 
-    def start(self) -> None:
-        command = [sys.executable, "-m", "pffs.cli.main", "csi-mounter", "--socket", str(self.socket)]
+    def start(self, *prefix: str) -> None:
+        """`prefix`: a command to run it under (unshare, for a mount namespace of its own)."""
+        command = [
+            *prefix,
+            sys.executable,
+            "-m",
+            "pffs.cli.main",
+            "csi-mounter",
+            "--socket",
+            str(self.socket),
+        ]
         command += ["--metrics-port", str(self.metrics_port), "--mount-metrics-ports", "29820-29899", "-v"]
         with open(self.log, "ab") as log:
             self.process = subprocess.Popen(command, stdout=log, stderr=log)
@@ -381,3 +391,57 @@ def test_a_mounter_older_than_the_plugin_names_the_option_it_lacks_and_what_to_d
     finally:
         mounter.kill()
         subprocess.run(["rm", "-rf", str(short)], check=False)
+
+
+def test_a_mount_the_plugin_cannot_see_is_never_stopped_as_if_dead(
+    node: Path, s3_server: SeaweedS3, raw_s3: s3fs.S3FileSystem, bucket: str, tmp_path: Path
+) -> None:
+    """A mounter whose mounts do not reach the plugin (here: its own private mount namespace; on a node, a
+    plugin whose kubelet dir is not the mounter's) serves a volume the plugin cannot see. Its process is
+    alive and its path mounted where it runs: the plugin must leave it alone (logged once), not take it
+    for dead and stop it, which is what ended running pods' mounts on an upgrade with a wrong kubelet path."""
+    raw_s3.pipe(f"{bucket}/set/file.bin", os.urandom(1 << 20))
+    short = Path(tempfile.mkdtemp(prefix="pffs-unseen-", dir="/run"))
+    mounter = Mounter(short / "mounter.sock", tmp_path / "mounter.log")
+    mounter.start("unshare", "--mount", "--propagation", "private")
+    plugin = CsiPlugin(short, "--mounter", f"unix://{mounter.socket}", "--kubelet-dir", str(node),
+                       "--check-interval", "0.1", "--cache-size", "1G", metrics=True)  # fmt: skip
+    try:
+        plugin.start()
+        staging = node / "plugins/kubernetes.io/csi/pffs/vol/globalmount"
+        capability = csi_pb2.VolumeCapability(
+            mount=csi_pb2.VolumeCapability.MountVolume(),
+            access_mode=AccessMode(mode=AccessMode.MULTI_NODE_READER_ONLY),
+        )
+        request = csi_pb2.NodeStageVolumeRequest(
+            volume_id="vol",
+            staging_target_path=str(staging),
+            volume_capability=capability,
+            volume_context={"source": f"s3://{bucket}/set", "endpointUrl": s3_server.endpoint_url},
+            secrets={"accessKeyId": s3_server.access_key, "secretAccessKey": s3_server.secret_key},
+        )
+        plugin.node.NodeStageVolume(request, timeout=60)
+        pid = plugin.staged()[str(staging)]["pid"]
+        assert str(staging) not in mount_stack_paths(), "the mount reached the plugin's namespace"
+        poll(
+            "the plugin says it leaves the unseen mount alone",
+            lambda: f"the mount process {pid} serves {staging} in its own mount namespace" in plugin.log(),
+            30,
+            plugin.log,
+        )
+        # The kubelet's retry of NodeStageVolume finds it "dead" too: refused, not repaired.
+        with pytest.raises(grpc.RpcError) as caught:
+            plugin.node.NodeStageVolume(request, timeout=60)
+        assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION, caught.value.details()
+        assert is_alive(pid) and plugin.staged()[str(staging)]["pid"] == pid
+        assert "mounting it again" not in plugin.log() and plugin.metric("pffs_csi_recoveries_total") == 0
+        assert plugin.log().count("in its own mount namespace") == 1, "logged once, not every round"
+    finally:
+        plugin.stop()
+        mounter.kill()
+        plugin.clean_up()
+        subprocess.run(["rm", "-rf", str(short)], check=False)
+
+
+def mount_stack_paths() -> set[str]:
+    return {line.split()[4] for line in Path("/proc/self/mountinfo").read_text().splitlines()}
