@@ -120,6 +120,35 @@ def test_hugging_face_datasets_reads_through_pffs_with_its_options_in_every_form
         )
 
 
+def test_hugging_face_datasets_loads_16_files_or_more_through_pffs_with_its_options(
+    raw_s3: Any, bucket: str, s3_server: SeaweedS3, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """From 16 files on, `datasets` downloads through another path, which hands the URL's first layer its
+    Hub's options (`hf={...}`) too: pffs leaves another layer's options alone (it refused them as unknown
+    before), and still takes its own. Both forms, the rows exact, the data in the cache_dir given."""
+    frame = pd.DataFrame({"id": range(1600), "text": [f"row {i}" for i in range(1600)]})
+    for part in range(16):
+        buffer = io.BytesIO()
+        frame.iloc[part::16].to_parquet(buffer, index=False)
+        raw_s3.pipe(f"{bucket}/many/part-{part:02d}.parquet", buffer.getvalue())
+    s3 = s3_server.storage_options()
+    default = tmp_path / "default-pffs-cache"
+    monkeypatch.setenv("PFFS_CACHE_DIR", str(default))
+    own = {"pffs": {"target_protocol": "s3", "target_options": s3, "cache_dir": str(tmp_path / "c2")}}
+    forms = [
+        (f"pffs::s3://{bucket}/many/*.parquet", {"s3": s3, "pffs": {"cache_dir": str(tmp_path / "c1")}}),
+        (f"pffs://{bucket}/many/*.parquet", own),
+    ]
+    for n, (url, options) in enumerate(forms, 1):
+        hf_cache = str(tmp_path / f"hf{n}")
+        loaded = datasets.load_dataset(
+            "parquet", data_files=url, storage_options=options, split="train", cache_dir=hf_cache
+        )  # fmt: skip
+        assert _rows(loaded) == _expected(frame)
+        assert set(_landed(tmp_path / f"c{n}", f"{bucket}/many", s3).values()) == {1.0}
+    assert not default.exists(), sorted(default.rglob("*"))
+
+
 def _sizes(prefix: str, s3: dict[str, Any]) -> dict[str, int]:
     import s3fs
 

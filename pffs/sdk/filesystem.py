@@ -26,6 +26,7 @@ from pffs.sdk.options import (
     backend_options,
     cache_settings,
     check_passed_through,
+    own_layer_options,
     peer_settings,
 )
 from pffs.vfs.vfs import OpenObject, Vfs
@@ -71,6 +72,8 @@ class PffsFileSystem(ChainedFileSystem, metaclass=_MadeWithOptionsFromDatasets):
     ) -> None:
         self.chained_url = fo is not None  # made for "pffs::s3://..." (fsspec passes the inner URL as fo)
         target_options, target_protocol = _unwrap_chained(target_options, target_protocol)
+        scheme = target.split("://", 1)[0].lower() if target and "://" in target else target_protocol or ""
+        options = own_layer_options(options, split_url(f"{scheme}://")[0] if scheme else "", scheme)
         cache_opts = {k: options.pop(k) for k in list(options) if k in CACHE_FIELDS}
         group = peer_settings(options)
         backend_opts = backend_options({**(target_options or {}), **options})

@@ -9,14 +9,18 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import logging
 from typing import Any
 
+import fsspec
 from pydantic import ValidationError
 
 from pffs.backends.errors import BadOptionError
 from pffs.backends.options import BackendOptions
 from pffs.config import CacheSettings, settings_error
 from pffs.peers.settings import PeerSettings
+
+log = logging.getLogger(__name__)
 
 S3FS_NAMES = {
     "key": "access_key_id",
@@ -26,6 +30,24 @@ S3FS_NAMES = {
 }
 CACHE_FIELDS = set(CacheSettings.model_fields)
 BACKEND_FIELDS = set(BackendOptions.model_fields) - {"extra"}
+
+
+def own_layer_options(options: dict[str, Any], protocol: str, scheme: str = "") -> dict[str, Any]:
+    """The options of a pffs layer in front of `protocol`: given flat, or per layer as `pffs={...}` and
+    `<protocol>={...}` (merged in; what is given flat wins). Another layer's (`hf={...}`) are dropped:
+    fsspec hands the first layer of a URL every option no layer of it is named for, and Hugging Face
+    `datasets` passes its Hub's options (`hf`) with every URL."""
+    own = {"pffs", protocol, scheme} - {""}
+    others = set(fsspec.available_protocols()) - own
+    merged: dict[str, Any] = {}
+    for name, value in options.items():
+        if name in own and isinstance(value, dict):
+            merged = {**value, **merged}
+        elif name in others and isinstance(value, dict):
+            log.debug("options for %s ignored by pffs (%s)", name, ", ".join(sorted(value)))
+        else:
+            merged[name] = value
+    return merged
 
 
 def backend_options(raw: dict[str, Any]) -> BackendOptions:
