@@ -72,6 +72,16 @@ class CacheSettings(BaseModel):
     )
     block_size: Size = Field(4 << 20, description="cache block size, bytes")
     metadata_ttl: float = Field(60.0, ge=0, description="seconds a stat or listing is trusted")
+    # Stale-if-error (as HTTP caches, RFC 5861): while the backend cannot be reached, a stat or listing past
+    # its TTL is served as last seen for this much longer, so cached data reads through an outage. 24 h: the
+    # longest S3 regional outages on record lasted hours (us-east-1: ~4 h in 2017, ~7 h in 2021), and a day
+    # covers a training run; past it, what was last seen is too old to stand for the store. 0: errors.
+    stale_if_error: float = Field(
+        86400.0,
+        ge=0,
+        description="seconds past its TTL a stat or listing is still served while the backend cannot be "
+        "reached (0: never)",
+    )
     readahead_size: Size = Field(64 << 20, description="bytes of read-ahead in flight per process")
     fetch_workers: int = Field(16, ge=1, le=256, description="parallel block fetches per process")
     # The FUSE mount sets this: the kernel caches the files it serves, so caching its disk tier's files too

@@ -21,6 +21,7 @@ CACHE_OPTIONS = (
     "memory_cache_size",
     "block_size",
     "metadata_ttl",
+    "stale_if_error",
 )
 BACKEND_OPTIONS = {
     "endpoint_url": "endpoint_url",

@@ -71,6 +71,14 @@ def global_options() -> argparse.ArgumentParser:
     g.add_argument(
         "--metadata-ttl", default=s, type=float, help="seconds a stat or listing is trusted (default 60)"
     )
+    g.add_argument(
+        "--stale-if-error",
+        default=s,
+        type=float,
+        metavar="SECONDS",
+        help="while the backend cannot be reached, serve stats and listings past their TTL as last seen for "
+        "this long, so cached data keeps reading (default 86400: a day; 0: fail instead)",
+    )
     g.add_argument("--endpoint-url", default=s, help="S3 endpoint, e.g. http://127.0.0.1:8333 (default: AWS)")
     g.add_argument("--region", default=s, help="S3 region")
     g.add_argument("--profile", default=s, help="AWS profile for credentials")
