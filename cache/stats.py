@@ -46,6 +46,7 @@ COUNTERS = (
     ),
     "prefetches",  # blocks fetched ahead of their reader (read-ahead, a directory's next files)
     "prefetch_hits",  # reads that found a block fetched ahead for them (not counted as hits)
+    "stale_metadata_served",  # stats and listings answered as last seen: the backend could not be reached
 )  # new counters go at the end: a counts file written by an older version reads as zeros past its end
 LIVE_FOLDER = "stats.live"  # beside stats.sqlite
 SUFFIX = ".counts"

@@ -22,6 +22,7 @@ CACHE_COUNTERS = {
     "disk_evictions": "blocks evicted from the disk tier",
     "corrupt_blocks": "disk blocks dropped because their checksum failed",
     "disk_write_failures": "blocks that could not be written to the disk tier",
+    "stale_metadata_served": "stats and listings served as last seen: the backend could not be reached",
 }
 
 

@@ -179,6 +179,14 @@ def _mount_and_serve(
             root_is_new = False
             if not root_info.is_dir:
                 raise NotADirectoryError(20, f"{options.source} is an object, not a directory or prefix")
+        if vfs.outage.active:  # the root as last seen (stale-if-error): a warm cache, the store down
+            notice = (
+                f"{public_url(options.source)}: the backend cannot be reached ({vfs.outage.reason}); "
+                "mounted from what this node last saw of it (--stale-if-error): cached data reads, the "
+                "rest fails until the backend answers"
+            )
+            log.warning("%s", notice)
+            notices.append(notice)
         if options.peers is not None:
             vfs.join_group(options.peers, root)
         staging = Staging(options.cache.cache_dir / "staging", backend)

@@ -3,13 +3,16 @@ mount all read through this class."""
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import posixpath
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from typing import TypeVar
 
 from pffs.backends.backend import Backend, ObjectInfo
 from pffs.backends.errors import BadOptionError, ObjectChangedError
@@ -25,8 +28,10 @@ from pffs.peers.settings import PeerSettings, split_address
 from pffs.vfs.metadata import MetadataCache
 from pffs.vfs.readahead import ReadAheadState
 from pffs.vfs.reader import ObjectReader
+from pffs.vfs.stale import MetadataStore, Outage, unreachable
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass
@@ -58,7 +63,14 @@ class Vfs:
         self.backend = backend
         self.settings = settings
         self.cache = cache or shared_block_cache(settings)
-        self.metadata = MetadataCache(settings.metadata_ttl)
+        self.metadata = MetadataCache(settings.metadata_ttl, settings.stale_if_error)
+        self.outage = Outage(settings.stale_if_error, self.cache.stats, backend.url(""))
+        # The last listings, on disk, for a process started while the backend is down (pffs.vfs.stale).
+        self.kept = (
+            MetadataStore(Path(settings.cache_dir) / "metadata.sqlite", backend.origin)
+            if backend.origin is not None and settings.stale_if_error > 0
+            else None
+        )
         self.reader = ObjectReader(
             backend,
             self.cache,
@@ -67,6 +79,7 @@ class Vfs:
             settings.fetch_workers,
         )
         after_fork_in_child(self.metadata.reset_after_fork)
+        after_fork_in_child(self.outage.reset_after_fork)
         counter = RequestCounter(self.cache.stats)
         if counter not in backend.requests.listeners:  # one backend may serve several Vfs of one cache
             backend.requests.listeners.append(counter)
@@ -112,24 +125,92 @@ class Vfs:
     def stat(self, path: str, *, fresh: bool = False) -> ObjectInfo:
         info = None if fresh else self.metadata.get(path)
         if info is None:
-            info = self.backend.stat(path)
-            self.metadata.put(info)
+            info, answered = self._ask(lambda: self.backend.stat(path), lambda: self._stale_stat(path))
+            if answered:
+                self.metadata.put(info)
         return info
 
     def list_dir(self, path: str) -> list[ObjectInfo]:
         """One level, from one LIST; trusted for the metadata TTL."""
-        entries = self.metadata.get_listing("dir", path)
-        if entries is None:
-            entries = self.backend.list_dir(path)
-            self.metadata.put_listing("dir", path, entries)
-        return entries
+        return self._listing("dir", path, self.backend.list_dir)
 
     def find(self, path: str) -> list[ObjectInfo]:
         """Every object under path, from as few LISTs as the backend allows; trusted for the metadata TTL."""
-        entries = self.metadata.get_listing("find", path)
+        return self._listing("find", path, self.backend.find)
+
+    def _listing(self, kind: str, path: str, ask: Callable[[str], list[ObjectInfo]]) -> list[ObjectInfo]:
+        entries = self.metadata.get_listing(kind, path)
         if entries is None:
-            entries = self.backend.find(path)
-            self.metadata.put_listing("find", path, entries)
+            entries, answered = self._ask(lambda: ask(path), lambda: self._stale_listing(kind, path))
+            if answered:
+                self.metadata.put_listing(kind, path, entries)
+                if self.kept is not None:
+                    self.kept.save(kind, path, entries)
+        return entries
+
+    # Stale-if-error (pffs.vfs.stale)
+
+    def _ask(self, ask: Callable[[], T], stale: Callable[[], T | None]) -> tuple[T, bool]:
+        """(the backend's answer, True); while the backend cannot be reached, (what was last seen, False)
+        where that is within --stale-if-error. `stale` may raise FileNotFoundError (a name the last
+        listing of its folder did not hold)."""
+        if self.outage.skip_backend():  # an outage, between probes: no waiting for the backend
+            old = self._stale(stale, None)
+            if old is not None:
+                return old, False
+        try:
+            value = ask()
+        except Exception as exc:
+            if not unreachable(exc):
+                self.outage.answered()  # an answer (a 404, a 403): the backend is there
+                raise
+            old = self._stale(stale, exc)
+            if old is None:
+                raise
+            return old, False
+        self.outage.answered()
+        return value, True
+
+    def _stale(self, stale: Callable[[], T | None], exc: BaseException | None) -> T | None:
+        if self.settings.stale_if_error <= 0:
+            return None
+        try:
+            old = stale()
+        except FileNotFoundError:
+            self.outage.served(exc)
+            raise
+        if old is not None:
+            self.outage.served(exc)
+        return old
+
+    def _stale_stat(self, path: str) -> ObjectInfo | None:
+        """The entry of `path` as last seen: its own, or from the last listing of it or of its folder."""
+        info = self.metadata.get_stale(path)
+        if info is not None:
+            return info
+        own = self._stale_listing("dir", path)
+        if own is not None:
+            named = [e for e in own if e.path.rstrip("/") == path.rstrip("/")]
+            return named[0] if named else ObjectInfo(path=path, size=0, is_dir=True, identity="dir")
+        parent = posixpath.dirname(path.rstrip("/"))
+        if parent == path or not path:
+            return None
+        listed = self._stale_listing("dir", parent)
+        if listed is None:
+            return None
+        for entry in listed:
+            if entry.path.rstrip("/") == path.rstrip("/"):
+                return entry
+        raise FileNotFoundError(
+            errno.ENOENT,
+            f"{self.backend.url(path)}: not in the last listing of its folder (the backend cannot be "
+            "reached)",
+        )
+
+    def _stale_listing(self, kind: str, path: str) -> list[ObjectInfo] | None:
+        entries = self.metadata.get_stale_listing(kind, path)
+        if entries is None and self.kept is not None:
+            entries = self.kept.listing(kind, path, self.settings.metadata_ttl + self.settings.stale_if_error)
         return entries
 
     def open(self, path: str) -> OpenObject:
@@ -169,6 +250,8 @@ class Vfs:
     def invalidate(self, path: str) -> None:
         self.metadata.invalidate(path)
         self.backend.invalidate(path)
+        if self.kept is not None:  # changed here: the folder's kept listing no longer holds
+            self.kept.forget("dir", posixpath.dirname(path.rstrip("/")))
 
 
 _shared_caches: dict[tuple[object, ...], BlockCache] = {}

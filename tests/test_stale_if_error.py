@@ -1,0 +1,247 @@
+"""Cached data through an S3 outage (issue 43): with the store stopped after the metadata TTL has passed,
+every cached file reads byte-exact through the SDK and a real FUSE mount, a mount starts over its warm
+cache, `--stale-if-error 0` brings the errors back, and once the store answers again a changed object
+is read as its new version, never mixed with the old one."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import sqlite3
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import fsspec
+import pytest
+import s3fs
+from helpers import pattern, sha256
+from mounts import Mount, drop_page_cache
+
+from pffs.testing.s3_server import SeaweedS3
+
+BLOCK = 64 << 10
+TTL = 1.0
+# 20 files in two folders: one block, several, a partial last block, empty.
+FILES = {
+    **{f"a/{i:02d}.bin": pattern(1000 + i * 5000, seed=i) for i in range(10)},
+    **{f"b/{i:02d}.bin": pattern(BLOCK * (i % 3 + 1) + i, seed=100 + i) for i in range(9)},
+    "b/empty.bin": b"",
+}
+pytestmark = [pytest.mark.s3, pytest.mark.timeout(600)]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedS3]:
+    """A server of this module's own: the tests stop it."""
+    with SeaweedS3(tmp_path_factory.mktemp("outage-server")) as s3:
+        yield s3
+
+
+@pytest.fixture
+def dataset(server: SeaweedS3) -> Iterator[tuple[s3fs.S3FileSystem, str]]:
+    if server.process is None:
+        server.start()  # a test before this one failed with it stopped
+    raw = s3fs.S3FileSystem(skip_instance_cache=True, use_listings_cache=False, **server.storage_options())
+    bucket = f"stale-{uuid.uuid4().hex[:10]}"
+    raw.mkdir(bucket)
+    raw.pipe({f"{bucket}/ds/{key}": value for key, value in FILES.items()})
+    yield raw, bucket
+    if server.process is None:
+        server.start()
+
+
+def sdk(server: SeaweedS3, bucket: str, cache_dir: Path, **options: Any) -> Any:
+    return fsspec.filesystem(
+        "pffs",
+        target=f"s3://{bucket}/ds",
+        endpoint_url=server.endpoint_url,
+        key=server.access_key,
+        secret=server.secret_key,
+        cache_dir=str(cache_dir),
+        block_size="64K",
+        metadata_ttl=TTL,
+        backend_timeout=20,
+        skip_instance_cache=True,
+        **options,
+    )
+
+
+def read_all_sdk(fs: Any) -> dict[str, str]:
+    return {name: sha256(fs.cat_file(name)) for name in fs.find("")}
+
+
+EXPECTED = {name: sha256(data) for name, data in FILES.items()}
+
+# A process started while the store is down: a node restarted during the outage.
+RESTARTED = """
+import json, sys, hashlib, fsspec
+fs = fsspec.filesystem("pffs", target=sys.argv[1], endpoint_url=sys.argv[2], key=sys.argv[3],
+                       secret=sys.argv[4], cache_dir=sys.argv[5], block_size="64K", metadata_ttl=1,
+                       backend_timeout=20, skip_instance_cache=True)
+names = sorted(fs.ls("a", detail=False) + fs.ls("b", detail=False))
+print(json.dumps({n: hashlib.sha256(fs.cat_file(n)).hexdigest() for n in names}))
+"""
+
+
+def test_sdk_reads_every_cached_file_through_an_outage(
+    server: SeaweedS3, dataset: tuple[s3fs.S3FileSystem, str], tmp_path: Path
+) -> None:
+    raw, bucket = dataset
+    cache = tmp_path / "cache"
+    fs = sdk(server, bucket, cache)
+    strict = sdk(server, bucket, cache, stale_if_error=0)
+    assert read_all_sdk(fs) == EXPECTED
+    assert read_all_sdk(strict) == EXPECTED
+    assert sorted(fs.ls("", detail=False)) == ["a", "b"]
+    for folder in ("a", "b"):
+        fs.ls(folder)
+    assert fs.vfs.kept is not None
+    fs.vfs.kept.flush()
+    time.sleep(TTL * 1.5)  # every stat and listing is past its TTL
+    server.stop()
+
+    assert read_all_sdk(fs) == EXPECTED
+    for name, data in FILES.items():
+        with fs.open(name) as f:
+            assert sha256(f.read()) == EXPECTED[name]
+        assert fs.info(name)["size"] == len(data)
+    with pytest.raises(FileNotFoundError):
+        fs.info("a/not-there.bin")  # not in the last listing of a/
+    assert fs.cache_stats()["stale_metadata_served"] > 0
+    # stale_if_error=0: the errors of before
+    with pytest.raises((ConnectionError, TimeoutError)):
+        strict.cat_file("a/00.bin")
+
+    restarted = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            RESTARTED,
+            f"s3://{bucket}/ds",
+            server.endpoint_url,
+            server.access_key,
+            server.secret_key,
+            str(cache),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert restarted.returncode == 0, restarted.stderr[-3000:]
+    assert json.loads(restarted.stdout) == {n: h for n, h in EXPECTED.items()}
+
+    server.start()
+    new = pattern(3 * BLOCK + 11, seed=999)
+    raw.pipe(f"{bucket}/ds/b/02.bin", new)  # another version, of another size
+    deadline = time.monotonic() + 60
+    while True:  # the old version whole until the store is asked again, then the new one: never a mix
+        seen = fs.cat_file("b/02.bin")
+        assert sha256(seen) in (EXPECTED["b/02.bin"], sha256(new))
+        if seen == new:
+            break
+        assert time.monotonic() < deadline, "the new version never showed"
+        time.sleep(0.2)
+    assert sha256(strict.cat_file("a/00.bin")) == EXPECTED["a/00.bin"]
+
+
+def env_for(server: SeaweedS3) -> dict[str, str]:
+    return {
+        **os.environ,
+        "AWS_ACCESS_KEY_ID": server.access_key,
+        "AWS_SECRET_ACCESS_KEY": server.secret_key,
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
+
+
+def read_all_mount(root: Path) -> dict[str, str]:
+    return {
+        f"{folder}/{name}": sha256((root / folder / name).read_bytes())
+        for folder in sorted(os.listdir(root))
+        for name in sorted(os.listdir(root / folder))
+    }
+
+
+def wait_until(what: str, condition: Any, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+def kept_listings(cache: Path) -> int:
+    path = cache / "metadata.sqlite"
+    if not path.exists():
+        return 0
+    with sqlite3.connect(path) as con:
+        return int(con.execute("SELECT COUNT(*) FROM listings WHERE kind = 'dir'").fetchone()[0])
+
+
+def test_mount_reads_through_an_outage_and_remounts_over_its_warm_cache(
+    server: SeaweedS3, dataset: tuple[s3fs.S3FileSystem, str], tmp_path: Path
+) -> None:
+    raw, bucket = dataset
+    cache = tmp_path / "cache"
+    extra = (
+        "--endpoint-url",
+        server.endpoint_url,
+        "--block-size",
+        "64K",
+        "--dir-ttl",
+        str(TTL),
+        "--attr-ttl",
+        "0.5",
+        "--read-only",
+    )
+    source = f"s3://{bucket}/ds"
+    env = env_for(server)
+    with Mount(source, tmp_path / "mnt", cache, env, *extra) as mount:
+        assert read_all_mount(mount.path) == EXPECTED
+        for name in FILES:  # every block on disk, for the remount below
+            wait_until(
+                f"{name} never reached the disk tier",
+                lambda n=name: float(os.getxattr(mount.path / n, "user.pffs.cached")) >= 1.0,
+            )
+        wait_until("the listings were never kept", lambda: kept_listings(cache) >= 3)
+        time.sleep(TTL * 1.5)  # every stat and listing is past its TTL
+        server.stop()
+        drop_page_cache()
+        assert read_all_mount(mount.path) == EXPECTED
+        with pytest.raises(FileNotFoundError):
+            (mount.path / "a" / "not-there.bin").stat()
+        assert mount.stats()["cache"]["stale_metadata_served"] > 0
+        assert mount.log().count("cannot be reached") == 1  # one line per outage episode
+        assert mount.umount().returncode == 0
+
+    # A node restarted during the outage: a mount over the warm cache starts, saying so, and reads it all.
+    with Mount(source, tmp_path / "mnt", cache, env, *extra) as again:
+        assert "cannot be reached" in again.log()
+        drop_page_cache()
+        assert read_all_mount(again.path) == EXPECTED
+        assert again.stats()["cache"]["misses"] == 0
+
+        # --stale-if-error 0: as before, a mount cannot start while the store is down
+        with pytest.raises(RuntimeError, match="pffs mount failed"):
+            Mount(source, tmp_path / "strict", cache, env, *extra, "--stale-if-error", "0").start()
+
+        server.start()
+        new = pattern(2 * BLOCK + 5, seed=777)
+        raw.pipe(f"{bucket}/ds/a/03.bin", new)
+        deadline = time.monotonic() + 60
+        while True:  # the old version whole, then the new one: never a mix
+            try:
+                seen = sha256((again.path / "a" / "03.bin").read_bytes())
+            except OSError as exc:
+                assert exc.errno == errno.ESTALE
+                seen = None
+            assert seen in (EXPECTED["a/03.bin"], sha256(new), None)
+            if seen == sha256(new):
+                break
+            assert time.monotonic() < deadline, "the new version never showed"
+            time.sleep(0.2)
+        wait_until("the end of the outage was never logged", lambda: "answers again" in again.log())
