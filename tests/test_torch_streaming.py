@@ -322,9 +322,9 @@ def test_gib_tar_shards_stream_through_4_workers_in_bounded_memory(
     and no worker's RSS grows by more than a quarter of a shard while it decodes. What it holds is the
     read-ahead window (64 MiB by default), the blocks still queued for the disk tier (at most 64 MiB) and
     allocator slack: 137-160 MiB measured for a 1 GiB shard, 45-49 MiB for a 64 MiB one (before issue 41
-    a worker held the whole shard, and the blocks it was joined from). 97-100 s on this 2-core machine
-    busy with other work (load average 8-10): SeaweedFS took in the 2.1 GiB at about 40 MB/s (50 s), the
-    workers decoded it in 27 s."""
+    a worker held the whole shard, and the blocks it was joined from). 38 s on a 2-core machine with
+    little else to do (load average 2.6); 97-100 s while it ran other work (load 8-10), when SeaweedFS
+    took in the 2.1 GiB at about 40 MB/s (50 s) and the workers decoded it in 27 s."""
     # Uploaded through pffs's own S3 client: twice as fast here as s3fs, which hashes every byte it sends
     # over plain http (SigV4 payload signing); what the workers read is checked against the sha256 of the
     # bytes written, not of what was uploaded.
