@@ -114,6 +114,13 @@ def test_sdk_reads_every_cached_file_through_an_outage(
     with pytest.raises(FileNotFoundError):
         fs.info("a/not-there.bin")  # not in the last listing of a/
     assert fs.cache_stats()["stale_metadata_served"] > 0
+    shown = subprocess.run(
+        [sys.executable, "-m", "pffs.cli.main", "stats", "--json", "--cache-dir", str(cache)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert json.loads(shown.stdout)["cache"]["stale_metadata_served"] > 0, shown.stderr
     # stale_if_error=0: the errors of before
     with pytest.raises((ConnectionError, TimeoutError)):
         strict.cat_file("a/00.bin")

@@ -148,6 +148,11 @@ def stats(args: argparse.Namespace) -> int:
         ("bytes fetched from the backend", format_size(cache["bytes_fetched"])),
         ("evictions memory / disk", f"{cache['memory_evictions']:,} / {cache['disk_evictions']:,}"),
         (
+            "stale metadata served",
+            f"{cache.get('stale_metadata_served', 0):,} (stats and listings answered as last seen while "
+            "the backend could not be reached: --stale-if-error)",
+        ),
+        (
             "disk used",
             f"{format_size(usage['disk_bytes'])} of {format_size(bound)} ({used:.0%})"
             + (f", {usage['disk_blocks']:,} blocks" if "disk_blocks" in usage else "")
