@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 _NEWLINE = re.compile(b"\n")
 
 
-class Filesystems:
+class PerProcessFilesystem:
     """The pffs filesystem of one scheme and set of options, made once per process (a forked DataLoader
     worker makes its own, as a spawned one does). Pickles as the scheme and the options alone."""
 
@@ -76,14 +76,14 @@ class PffsObject(io.BufferedIOBase):
         *,
         whole: bytes | None = None,
         handle: OpenObject | None = None,
-        filesystems: Filesystems | None = None,
+        filesystem: PerProcessFilesystem | None = None,
         position: int = 0,
     ) -> None:
         super().__init__()
         self.url = url
         self.key = key
         self.info = info
-        self._filesystems = filesystems
+        self._filesystem = filesystem
         self._handle = handle
         self._position = position
         # The bytes [_start, _start + len(_buffer)) of the object: the whole object, or the block being read.
@@ -219,7 +219,7 @@ class PffsObject(io.BufferedIOBase):
         self._check_open()
         if self._whole is not None:
             return (_whole_object, (self.info, self.url, self.key, self._whole, self._position))
-        return (_streamed_object, (self.info, self.url, self.key, self._filesystems, self._position))
+        return (_streamed_object, (self.info, self.url, self.key, self._filesystem, self._position))
 
     # -- the blocks ---------------------------------------------------------------------------------------
     def _check_open(self) -> None:
@@ -244,9 +244,9 @@ class PffsObject(io.BufferedIOBase):
 
     def _open_handle(self) -> OpenObject:
         if self._handle is None:
-            if self._filesystems is None:
+            if self._filesystem is None:
                 raise ValueError(f"{self.url}: this object was made without a way to read it")
-            self._handle = self._filesystems.get().vfs.open_version(self.info)
+            self._handle = self._filesystem.get().vfs.open_version(self.info)
         return self._handle
 
 
@@ -255,37 +255,39 @@ def _whole_object(info: ObjectInfo, url: str, key: str, data: bytes, position: i
 
 
 def _streamed_object(
-    info: ObjectInfo, url: str, key: str, filesystems: Filesystems, position: int
+    info: ObjectInfo, url: str, key: str, filesystem: PerProcessFilesystem, position: int
 ) -> PffsObject:
-    return PffsObject(info, url, key, filesystems=filesystems, position=position)
+    return PffsObject(info, url, key, filesystem=filesystem, position=position)
 
 
-def open_object(filesystems: Filesystems, path: str, info: ObjectInfo | None) -> PffsObject:
+def open_object(filesystem: PerProcessFilesystem, path: str, info: ObjectInfo | None) -> PffsObject:
     """The object at backend path `path`, at the version `info` names (as listed: no HEAD), or at the
     current one if `info` is None or the object changed since. Its first block is fetched now (the whole
     object if it is no larger), so a changed object is seen before any of its bytes are handed out."""
-    fs = filesystems.get()
+    fs = filesystem.get()
+    fresh = False
     if info is not None:
         try:
-            return _open_version(filesystems, fs, info)
+            return _open_version(filesystem, fs, info)
         except ObjectChangedError:
             log.debug("%s changed since it was listed: reading the current version", path)
+            fresh = True  # what the metadata cache holds is the listing's
     for attempt in range(2):
         try:
-            return _open_version(filesystems, fs, fs.vfs.stat(path, fresh=attempt > 0))
+            return _open_version(filesystem, fs, fs.vfs.stat(path, fresh=fresh or attempt > 0))
         except ObjectChangedError:
             if attempt:
                 raise
     raise AssertionError("unreachable")
 
 
-def _open_version(filesystems: Filesystems, fs: PffsFileSystem, info: ObjectInfo) -> PffsObject:
+def _open_version(filesystem: PerProcessFilesystem, fs: PffsFileSystem, info: ObjectInfo) -> PffsObject:
     handle = fs.vfs.open_version(info)
     url, key = fs.vfs.backend.url(info.path), fs.vfs.backend.key_of(info.path)
     try:
         if info.size <= handle.reader.block_size:
             return PffsObject(info, url, key, whole=handle.read(0, info.size), handle=handle)
-        obj = PffsObject(info, url, key, handle=handle, filesystems=filesystems)
+        obj = PffsObject(info, url, key, handle=handle, filesystem=filesystem)
         obj._view()  # the first block, and read-ahead started
         return obj
     except BaseException:
@@ -308,7 +310,7 @@ class ObjectSource:
     def __init__(self, source: str | Sequence[str], options: dict[str, Any]) -> None:
         if isinstance(source, str):
             scheme, prefix = self._parse(source)
-            self._filesystems = Filesystems(scheme, options)
+            self._filesystem = PerProcessFilesystem(scheme, options)
             listed = self.filesystem().vfs.find(prefix)
             if not listed:
                 raise FileNotFoundError(f"{source}: no objects there (an empty or missing prefix)")
@@ -321,7 +323,7 @@ class ObjectSource:
             schemes = sorted({scheme for scheme, _ in parsed})
             if len(schemes) > 1:
                 raise ValueError(f"URLs of one scheme only, not {' and '.join(schemes)} together")
-            self._filesystems = Filesystems(schemes[0], options)
+            self._filesystem = PerProcessFilesystem(schemes[0], options)
             self.entries = [Entry(path) for _, path in parsed]
 
     @staticmethod
@@ -333,7 +335,7 @@ class ObjectSource:
 
     def filesystem(self) -> PffsFileSystem:
         """This process's pffs filesystem (a forked worker makes its own, as a spawned one does)."""
-        return self._filesystems.get()
+        return self._filesystem.get()
 
     @functools.cached_property
     def fingerprint(self) -> str:
@@ -351,4 +353,4 @@ class ObjectSource:
     def read(self, entry: Entry) -> PffsObject:
         """The object, streaming from its first block: the version listed (no HEAD per object), or the
         current one if it changed since."""
-        return open_object(self._filesystems, entry.path, entry.info)
+        return open_object(self._filesystem, entry.path, entry.info)
