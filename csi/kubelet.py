@@ -1,11 +1,12 @@
 """Whether the kubelet is where the node plugin was told it is (`--kubelet-dir`, Helm `node.kubeletPath`), and
 where it really is when not.
 
-A live kubelet listens on unix sockets under its root dir (the pod-resources API and the device-plugin
-registration socket; both always on): a connect to one of them at `--kubelet-dir` answers only if a kubelet
-serves there now (a socket file left by an old kubelet refuses). Where it does not, the kubelet's real root
-comes from the unix sockets listening in the host's network namespace (`/proc/1/net/unix`, readable with
-hostPID), which name their bound paths, else from a `kubelet` process's `--root-dir` flag.
+A live kubelet listens on a unix socket under its root dir, the pod-resources API's
+(`ROOT/pod-resources/kubelet.sock`; its device-plugin socket is no guide: kubelets put it at
+/var/lib/kubelet/device-plugins whatever their root). A connect there answers only if a kubelet serves
+there now (a socket file left by an old kubelet refuses). Where nothing answers, the kubelet's real root
+comes from the paths of the unix sockets listening in the host's network namespace (`/proc/1/net/unix`,
+readable with hostPID) and in ours, and from a `kubelet` process's `--root-dir` flag.
 
 A plugin whose kubelet is elsewhere must not touch the node's mounts: it would not see the staging and target
 paths of its records (they are under the real kubelet dir, not mounted into it) and take live mounts for dead
@@ -19,7 +20,7 @@ import os
 import socket
 from pathlib import Path
 
-KUBELET_SOCKETS = ("pod-resources/kubelet.sock", "device-plugins/kubelet.sock")
+KUBELET_SOCKETS = ("pod-resources/kubelet.sock",)
 DEFAULT_ROOT = "/var/lib/kubelet"
 CONNECT_TIMEOUT_S = 2.0
 SO_ACCEPTCON = 0x10000  # /proc/net/unix's Flags of a listening socket
@@ -49,14 +50,14 @@ def kubelet_answers(root: Path | str, host_root: str = "") -> bool:
 
 
 def listening_kubelet_roots(proc: Path = Path("/proc")) -> list[str]:
-    """The root dirs of the kubelets listening on this host, from the paths of their listening unix sockets:
-    the host's network namespace (pid 1's, seen with hostPID), else this process's."""
+    """The root dirs of the kubelets listening on this host, from the paths of their listening unix sockets
+    in the host's network namespace (pid 1's, seen with hostPID) and in this process's."""
+    roots: list[str] = []
     for table in (proc / "1" / "net" / "unix", proc / "self" / "net" / "unix"):
         try:
             lines = table.read_text().splitlines()[1:]
         except OSError:
             continue
-        roots = []
         for line in lines:
             fields = line.split()
             # Num RefCount Protocol Flags Type St Inode Path
@@ -68,9 +69,7 @@ def listening_kubelet_roots(proc: Path = Path("/proc")) -> list[str]:
                     root = path[: -len(name) - 1] or "/"
                     if root not in roots:
                         roots.append(root)
-        if roots:
-            return roots
-    return []
+    return roots
 
 
 def kubelet_process_roots(proc: Path = Path("/proc")) -> list[str]:
@@ -98,13 +97,14 @@ def kubelet_process_roots(proc: Path = Path("/proc")) -> list[str]:
 
 def real_kubelet_roots(proc: Path = Path("/proc")) -> tuple[list[str], str]:
     """Where the kubelet(s) of this host keep their root, and how that was found."""
-    roots = listening_kubelet_roots(proc)
-    if roots:
-        return roots, "from the sockets they listen on"
-    roots = kubelet_process_roots(proc)
-    if roots:
-        return roots, "from the kubelet process's --root-dir"
-    return [], ""
+    listening, processes = listening_kubelet_roots(proc), kubelet_process_roots(proc)
+    roots = listening + [root for root in processes if root not in listening]
+    how = " and ".join(
+        what
+        for what, found in (("from the sockets it listens on", listening), ("its --root-dir", processes))
+        if found
+    )
+    return roots, how
 
 
 def kubelet_problem(kubelet_dir: Path | str, proc: Path = Path("/proc"), host_root: str = "") -> str | None:
@@ -114,6 +114,8 @@ def kubelet_problem(kubelet_dir: Path | str, proc: Path = Path("/proc"), host_ro
     if kubelet_answers(given, host_root):
         return None
     roots, how = real_kubelet_roots(proc)
+    if given in kubelet_process_roots(proc):
+        return None  # a kubelet runs with this --root-dir (its pod-resources API off or not up yet)
     others = [root for root in roots if root != given]
     if len(others) == 1:
         where = f"the kubelet on this node uses {others[0]} ({how}): set node.kubeletPath={others[0]}"
@@ -121,9 +123,9 @@ def kubelet_problem(kubelet_dir: Path | str, proc: Path = Path("/proc"), host_ro
         where = f"kubelets on this host use {', '.join(others)} ({how}): set node.kubeletPath to this node's"
     else:
         where = (
-            "no kubelet was found on this node (no kubelet socket listens in the host's network namespace, "
-            f"no kubelet process; the usual root is {DEFAULT_ROOT}): set node.kubeletPath to the kubelet's "
-            "--root-dir"
+            "no kubelet was found on this node (no pod-resources socket listens in the host's network "
+            f"namespace, no kubelet process; the usual root is {DEFAULT_ROOT}): set node.kubeletPath to the "
+            "kubelet's --root-dir"
         )
     sockets = " or ".join(f"{given}/{name}" for name in KUBELET_SOCKETS)
     return f"node.kubeletPath is {given}, but no kubelet serves there (nothing answers at {sockets}); {where}"

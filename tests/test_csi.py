@@ -1525,7 +1525,7 @@ def test_the_kubelet_is_found_by_its_sockets_and_a_wrong_path_is_named(tmp_path:
         (proc / pid).mkdir()
         (proc / pid / "cmdline").write_bytes(argv)
     assert kubelet_process_roots(proc) == ["/data/kubelet"]
-    assert "uses /data/kubelet (from the kubelet process's --root-dir)" in str(kubelet_problem("/x", proc))
+    assert "uses /data/kubelet (its --root-dir)" in str(kubelet_problem("/x", proc))
 
 
 @contextlib.contextmanager

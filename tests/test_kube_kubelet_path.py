@@ -153,7 +153,7 @@ def cluster(s3_server: SeaweedS3, tmp_path_factory: pytest.TempPathFactory) -> I
             with contextlib.suppress(Exception):
                 poll("the reader is gone", lambda: not reader_exists(world), 60)
                 poll("its volume unpublished", lambda: not pffs_mounts(world), 60)
-            world.helm("uninstall", RELEASE, "--wait", "--timeout", "3m")
+            world.helm("uninstall", RELEASE, "--wait", "--timeout", "1m")
 
 
 def reader_exists(world: Cluster) -> bool:

@@ -60,7 +60,7 @@ def missing_binaries() -> list[str]:
 
 
 WORKLOAD_CONTROLLERS = (
-    ",daemonset-controller,deployment-controller,replicaset-controller,"
+    ",daemonset-controller,deployment-controller,replicaset-controller,job-controller,"
     "root-ca-certificate-publisher-controller"
 )
 
