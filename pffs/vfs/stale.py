@@ -31,7 +31,6 @@ import threading
 import time
 import zlib
 from pathlib import Path
-from typing import Any
 
 from pffs.backends.backend import ObjectInfo
 from pffs.backends.posix_metadata import PosixAttributes
@@ -261,17 +260,38 @@ def _drop_oldest(con: sqlite3.Connection, excess: int) -> None:
         dropped += size
 
 
+_POSIX_FIELDS = [f.name for f in dataclasses.fields(PosixAttributes)]
+
+
 def _encode(entries: list[ObjectInfo]) -> bytes:
-    return json.dumps([dataclasses.asdict(e) for e in entries], separators=(",", ":")).encode()
+    """One row per entry, in ObjectInfo's field order (no dict per entry: a listing of 10,000 objects is
+    encoded in milliseconds, in a thread that shares the GIL with the mount)."""
+    rows = [
+        [
+            e.path,
+            e.size,
+            e.is_dir,
+            e.identity,
+            e.etag,
+            e.version_id,
+            e.mtime,
+            None if e.posix is None else [getattr(e.posix, f) for f in _POSIX_FIELDS],
+            e.content_type,
+        ]
+        for e in entries
+    ]
+    return json.dumps(rows, separators=(",", ":")).encode()
 
 
 def _decode(data: bytes) -> list[ObjectInfo]:
     out = []
-    for raw in json.loads(data):
-        fields: dict[str, Any] = dict(raw)
-        posix = fields.get("posix")
-        fields["posix"] = PosixAttributes(**posix) if posix is not None else None
-        out.append(ObjectInfo(**fields))
+    for path, size, is_dir, identity, etag, version_id, mtime, posix, content_type in json.loads(data):
+        attributes = (
+            None if posix is None else PosixAttributes(**dict(zip(_POSIX_FIELDS, posix, strict=True)))
+        )
+        out.append(
+            ObjectInfo(path, size, is_dir, identity, etag, version_id, mtime, attributes, content_type)
+        )
     return out
 
 
