@@ -22,12 +22,29 @@ take a region but no endpoint: each is given an S3 client of its own for the loc
 region us-east-1), put in place of the one it made (`.fs._client`). The ranks' credentials come from a
 0600 spec file, never argv or the environment. Where it cannot run, the JSON's "skipped" says why.
 
+Then, in the same run, one torch.save of --save-size bytes (8 tensors) per round by each of (a process of
+its own each, checked after the clock stops by loading what the store holds):
+
+    local_disk       torch.save to a local file (page cache, no fsync): what a training job sees locally
+    pffs_save        pffs.torch.save to s3:// (uploaded while torch.save writes)
+    peer_checkpoint  s3torchconnector's S3Checkpoint writer (client made before the clock)
+    mount            torch.save onto a read-write pffs mount of s3://dcp-bench/mount: the writes, then the
+                     close that uploads (both timed); once more under strace, untimed, for the sizes of the
+                     WRITE requests the kernel sends the mount
+    upload_only      the ceiling: the same bytes, written to disk beforehand, uploaded by pffs's S3 client
+    upload_only_2x   the DCP ceiling: two files of --size-per-rank uploaded at once (as two ranks do)
+
+--clients picks some of all these. PFFS_BENCH_PROFILE=<folder> runs rank 0 and each save under py-spy
+(collapsed stacks, idle threads included; slower).
+
 Writes bench/results/dcp.json and bench/results/dcp.png, and prints a table.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import hashlib
 import json
 import os
 import platform
@@ -133,6 +150,103 @@ def storage(client: str, spec: dict[str, Any], url: str) -> tuple[Any, Any]:
     return FsspecWriter(chained, s3=s3, pffs=pffs), lambda: FsspecReader(chained, s3=s3, pffs=pffs)
 
 
+# -- one torch.save of one state dict (runs in the client's python) -----------------------------------------
+SAVERS = ("local_disk", "pffs_save", "peer_checkpoint", "mount", "upload_only", "upload_only_2x")
+
+
+def save_main(spec_path: str, client: str, round_: int) -> None:
+    """One save of --save-size bytes of tensors by `client`, timed; prints one JSON line. The bytes are
+    checked after the clock stops: the object read back (s3fs, or the peer's own reader) against the
+    state dict saved."""
+    import io
+
+    import torch
+
+    spec = json.loads(Path(spec_path).read_text())
+    count = spec["tensors"]
+    g = torch.Generator().manual_seed(round_)
+    size = spec["size_per_rank"] if client == "upload_only_2x" else spec["save_size"]
+    state = {f"t{i}": torch.randn(size // 4 // count, generator=g) for i in range(count)}
+    key = f"save/{client}/{round_}.pt"
+    url = f"s3://{BUCKET}/{key}"
+    result: dict[str, Any] = {}
+    if client == "peer_checkpoint":
+        os.environ.update(AWS_ACCESS_KEY_ID=spec["key"], AWS_SECRET_ACCESS_KEY=spec["secret"],
+                          AWS_EC2_METADATA_DISABLED="true")  # fmt: skip
+        from s3torchconnector import S3Checkpoint, S3ClientConfig
+
+        checkpoint = S3Checkpoint(PEER_REGION, spec["endpoint_url"], S3ClientConfig(force_path_style=True))
+        start = time.perf_counter()
+        with checkpoint.writer(url) as writer:
+            torch.save(state, writer)
+        result["save_s"] = time.perf_counter() - start
+        with checkpoint.reader(url) as reader:
+            back = torch.load(io.BytesIO(reader.read()))
+        result["exact"] = all(torch.equal(back[k], state[k]) for k in state)
+        print(json.dumps(result))
+        return
+
+    import s3fs
+
+    raw = s3fs.S3FileSystem(
+        skip_instance_cache=True,
+        use_listings_cache=False,
+        key=spec["key"],
+        secret=spec["secret"],
+        client_kwargs={"endpoint_url": spec["endpoint_url"]},
+    )
+    s3 = {"endpoint_url": spec["endpoint_url"], "key": spec["key"], "secret": spec["secret"]}
+    local = Path(spec["work"]) / f"local-{client}-{round_}.pt"
+    if client == "local_disk":  # torch.save's own file, in the page cache (no fsync), as a training job
+        start = time.perf_counter()
+        torch.save(state, local)
+        result["save_s"] = time.perf_counter() - start
+        back = torch.load(local)
+        local.unlink()
+    elif client == "pffs_save":
+        import pffs.torch
+
+        start = time.perf_counter()
+        pffs.torch.save(state, url, **s3, cache_dir=spec["cache_dir"])
+        result["save_s"] = time.perf_counter() - start
+        back = torch.load(io.BytesIO(raw.cat_file(f"{BUCKET}/{key}")))
+    elif client == "mount":  # the mount's files: torch.save's writes, then the close that uploads
+        target = Path(spec["mountpoint"]) / f"{client}-{round_}.pt"
+        start = time.perf_counter()
+        f = target.open("wb")
+        torch.save(state, f)
+        f.flush()
+        result["write_s"] = time.perf_counter() - start
+        f.close()
+        result["save_s"] = time.perf_counter() - start
+        result["close_s"] = result["save_s"] - result["write_s"]
+        back = torch.load(io.BytesIO(raw.cat_file(f"{BUCKET}/mount/{client}-{round_}.pt")))
+    else:  # the upload alone: the file written beforehand (untimed), put by pffs's S3 client, one or two
+        from concurrent.futures import ThreadPoolExecutor
+
+        from pffs.backends.options import BackendOptions
+        from pffs.backends.urls import open_backend
+
+        copies = 2 if client == "upload_only_2x" else 1  # as two DCP ranks do at once
+        torch.save(state, local)
+        options = BackendOptions(endpoint_url=spec["endpoint_url"], access_key_id=spec["key"],
+                                 secret_access_key=spec["secret"])  # fmt: skip
+        backends = [open_backend(url, options)[0] for _ in range(copies)]
+        start = time.perf_counter()
+        with ThreadPoolExecutor(copies) as pool:
+            list(pool.map(lambda i: backends[i].upload(str(local), f"{BUCKET}/{key}.{i}"), range(copies)))
+        result["save_s"] = time.perf_counter() - start
+        expected = hashlib.sha256(local.read_bytes()).hexdigest()
+        result["exact"] = all(
+            hashlib.sha256(raw.cat_file(f"{BUCKET}/{key}.{i}")).hexdigest() == expected for i in range(copies)
+        )
+        local.unlink()
+        print(json.dumps(result))
+        return
+    result["exact"] = all(torch.equal(back[k], state[k]) for k in state)
+    print(json.dumps(result))
+
+
 # -- the run ------------------------------------------------------------------------------------------------
 def peer_python() -> tuple[str | None, str]:
     python = PEER_VENV / "bin" / "python"
@@ -179,6 +293,62 @@ def run_ranks(python: str, spec_path: Path, client: str, round_: int, ranks: int
     return list(json.loads([line for line in lines if line.startswith("[")][-1]))  # py-spy prints too
 
 
+def run_saver(python: str, spec_path: Path, client: str, round_: int, logs: Path) -> dict[str, Any]:
+    err = logs / f"save-{client}-{round_}.err"
+    cmd = [python, "-W", "ignore", __file__, "--save", str(spec_path), client, str(round_)]
+    if PROFILE_DIR:
+        out_stacks = Path(PROFILE_DIR) / f"save-{client}-{round_}.txt"
+        cmd = ["py-spy", "record", "--idle", "--threads", "--rate", "200", "--format", "raw",
+               "-o", str(out_stacks), "--", *cmd]  # fmt: skip
+    done = subprocess.run(cmd, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE,
+                          stderr=err.open("w"), text=True, timeout=RANK_TIMEOUT_S, check=False)  # fmt: skip
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not lines:
+        raise RuntimeError(
+            f"save {client} round {round_} exited {done.returncode}:\n{err.read_text()[-3000:]}"
+        )
+    return dict(json.loads(lines[-1]))
+
+
+def start_mount(s3: Any, work: Path) -> tuple[Path, dict[str, str]]:
+    """A read-write pffs mount of s3://dcp-bench/mount, its cache in the run's folder."""
+    mountpoint = work / "mnt"
+    mountpoint.mkdir()
+    env = {**os.environ, "AWS_ACCESS_KEY_ID": s3.access_key, "AWS_SECRET_ACCESS_KEY": s3.secret_key}
+    pffs = str(Path(sys.executable).parent / "pffs")
+    subprocess.run([pffs, "mount", f"s3://{BUCKET}/mount", str(mountpoint), "--cache-dir",
+                    str(work / "mount-cache"), "--endpoint-url", s3.endpoint_url],
+                   check=True, env=env, timeout=120)  # fmt: skip
+    return mountpoint, env
+
+
+def fuse_write_sizes(mountpoint: Path, spec_path: Path, logs: Path) -> dict[str, Any]:
+    """What the kernel hands the mount for one torch.save onto it (untimed: under strace): the sizes of
+    the requests the mount reads from /dev/fuse while the file is written, and their count."""
+    pid = int(os.getxattr(mountpoint, "user.pffs.pid"))
+    fuse_fds = {fd.name for fd in Path(f"/proc/{pid}/fd").iterdir() if os.readlink(fd) == "/dev/fuse"}
+    trace = logs / "mount-strace.txt"
+    spy = subprocess.Popen(["strace", "-f", "-qq", "-e", "trace=read", "-e", "read=none", "-s", "0",
+                            "-o", str(trace), "-p", str(pid)])  # fmt: skip
+    time.sleep(1.0)  # attached
+    try:
+        run_saver(sys.executable, spec_path, "mount", 99, logs)
+    finally:
+        spy.terminate()
+        spy.wait(timeout=60)
+    sizes: dict[int, int] = {}
+    for line in trace.read_text().splitlines():
+        parts = line.split("read(", 1)
+        if len(parts) < 2 or parts[1].split(",", 1)[0] not in fuse_fds or "= " not in parts[1]:
+            continue
+        size = int(parts[1].rsplit("= ", 1)[1].split()[0]) if parts[1].rsplit("= ", 1)[1][0].isdigit() else 0
+        if size > 4096:  # WRITE requests carrying data (header 80 bytes)
+            sizes[size - 80] = sizes.get(size - 80, 0) + 1
+    total = sum(size * n for size, n in sizes.items())
+    return {"write_requests": sum(sizes.values()), "bytes": total,
+            "by_size": {str(k): v for k, v in sorted(sizes.items(), key=lambda kv: -kv[1])[:5]}}  # fmt: skip
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -188,7 +358,10 @@ def main() -> int:
     parser.add_argument("--tensors", type=int, default=8, help="tensors per rank")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
-    parser.add_argument("--clients", default=",".join(CLIENTS), help="which to run (comma-separated)")
+    parser.add_argument(
+        "--clients", default=",".join(CLIENTS + SAVERS), help="which to run (comma-separated)"
+    )
+    parser.add_argument("--save-size", default="200M", help="bytes of the single-process torch.save")
     args = parser.parse_args()
     size_per_rank = parse_size(args.size_per_rank)
     total_mb = size_per_rank * args.ranks / 1e6
@@ -206,13 +379,49 @@ def main() -> int:
         log(f"{PEER} skipped: {peer_note}")
     else:
         pythons[PEER] = peer
+    savers = {c: sys.executable for c in SAVERS if c in chosen}
+    if "peer_checkpoint" in savers:
+        if peer is None:
+            del savers["peer_checkpoint"]
+            skipped["peer_checkpoint"] = peer_note
+        else:
+            savers["peer_checkpoint"] = peer
     rounds: dict[str, list[list[Any]]] = {client: [] for client in pythons}
+    saves: dict[str, list[dict[str, Any]]] = {client: [] for client in savers}
     failures: dict[str, str] = {}
-    with tempfile.TemporaryDirectory(prefix="pffs-bench-dcp-") as tmp, SeaweedS3(Path(tmp) / "s3") as s3:
+    fuse_writes: dict[str, Any] = {}
+    with contextlib.ExitStack() as stack:
+        tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="pffs-bench-dcp-"))
+        s3 = stack.enter_context(SeaweedS3(Path(tmp) / "s3"))
         work = Path(tmp)
         raw = s3fs.S3FileSystem(skip_instance_cache=True, **s3.storage_options())
         raw.mkdir(BUCKET)
+        save_spec = work / "spec-save.json"
+        save_spec.touch(mode=0o600)
+        spec = {"endpoint_url": s3.endpoint_url, "key": s3.access_key, "secret": s3.secret_key,
+                "size_per_rank": size_per_rank, "save_size": parse_size(args.save_size),
+                "tensors": args.tensors, "cache_dir": str(work / "cache-save"),
+                "work": str(work)}  # fmt: skip
+        if "mount" in savers:
+            raw.pipe(f"{BUCKET}/mount/.keep", b"")
+            mountpoint, _ = start_mount(s3, work)
+            pffs_cli = str(Path(sys.executable).parent / "pffs")
+            stack.callback(subprocess.run, [pffs_cli, "umount", str(mountpoint)], check=False, timeout=120)
+            spec["mountpoint"] = str(mountpoint)
+        save_spec.write_text(json.dumps(spec))
         for round_ in range(args.repeats):
+            for client, python in savers.items():
+                if client in failures:
+                    continue
+                size = f"2 x {args.size_per_rank}" if client == "upload_only_2x" else args.save_size
+                log(f"save {client} round {round_}: {size}")
+                try:
+                    saves[client].append(run_saver(python, save_spec, client, round_, work))
+                except RuntimeError as exc:
+                    failures[client] = str(exc)
+                    log(str(exc))
+                if raw.exists(f"{BUCKET}/save"):
+                    raw.rm(f"{BUCKET}/save", recursive=True)
             for client, python in pythons.items():
                 if client in failures:
                     continue
@@ -232,8 +441,27 @@ def main() -> int:
                 with_prefix = f"{BUCKET}/{client}/{round_}"
                 if raw.exists(with_prefix):
                     raw.rm(with_prefix, recursive=True)  # keep the server's disk small
-    results = {}
+        if "mount" in savers and "mount" not in failures:
+            log("save mount under strace: the sizes of the writes the kernel sends the mount")
+            fuse_writes = fuse_write_sizes(Path(spec["mountpoint"]), save_spec, work)
     exact = True
+    save_results = {}
+    for client, runs in saves.items():
+        if not runs:
+            continue
+        mb = (2 * size_per_rank if client == "upload_only_2x" else parse_size(args.save_size)) / 1e6
+        keys = [k for k in runs[0] if k.endswith("_s")]
+        medians = {k: statistics.median(run[k] for run in runs) for k in keys}
+        ok = all(run["exact"] for run in runs)
+        exact = exact and ok
+        save_results[client] = {
+            **{k: round(v, 3) for k, v in medians.items()},
+            "save_MBps": round(mb / medians["save_s"], 1),
+            "MB": round(mb, 1),
+            "exact": ok,
+            "rounds": runs,
+        }
+    results = {}
     for client, runs in rounds.items():
         if not runs:
             continue
@@ -255,6 +483,9 @@ def main() -> int:
         "tensors_per_rank": args.tensors,
         "repeats": args.repeats,
         "results": results,
+        "save_size": parse_size(args.save_size),
+        "saves": save_results,
+        "mount_fuse_writes": fuse_writes,
         "failed": failures,
         "skipped": skipped,
         "peer": {"python": pythons.get(PEER), "torch": peer_note if peer else None,
@@ -277,20 +508,28 @@ def main() -> int:
         print(
             f"{client:18} {r['save_s']:8} {r['save_MBps']:7} {load:19} {load_mbps:7} {warm:>8} {warm_mbps:>7}"
         )
+    print(f"\none torch.save of {args.save_size} (upload_only_2x: 2 x {args.size_per_rank} at once)")
+    for client, r in save_results.items():
+        extra = f"  (writes {r['write_s']} s, close {r['close_s']} s)" if "close_s" in r else ""
+        print(f"{client:18} {r['save_s']:8} s {r['save_MBps']:7} MB/s exact={r['exact']}{extra}")
+    if fuse_writes:
+        print(f"mount: {fuse_writes}")
     for client, why in {**skipped, **failures}.items():
         print(f"{client}: not measured: {why.splitlines()[0]}")
     return 0 if exact and not (failures.keys() - {PEER}) else 1
 
 
 def chart(report: dict[str, Any], path: Path) -> None:
+    """Two panels: the DCP save and loads per client; one torch.save per saver, with the ceilings."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    results = report["results"]
+    results, saves = report["results"], report.get("saves") or {}
     phases = [("save", "save"), ("load (cold / direct)", "load_cold"), ("load (warm cache)", "load_warm")]
-    fig, ax = plt.subplots(figsize=(9, 4))
+    fig, axes = plt.subplots(1, 2 if saves else 1, figsize=(15 if saves else 9, 4.5), squeeze=False)
+    ax = axes[0][0]
     width = 0.8 / max(1, len(results))
     for i, (client, r) in enumerate(results.items()):
         values = []
@@ -305,7 +544,16 @@ def chart(report: dict[str, Any], path: Path) -> None:
     ax.set_ylabel("MB/s (whole state dict)")
     mb = report["ranks"] * report["size_per_rank"] / 1e6
     ax.set_title(f"torch.distributed.checkpoint, {report['ranks']} ranks, {mb:.0f} MB, local SeaweedFS")
-    ax.legend()
+    ax.legend(fontsize=8)
+    if saves:
+        ax = axes[0][1]
+        names = list(saves)
+        bars = ax.bar(range(len(names)), [saves[n]["save_MBps"] for n in names], color="tab:gray")
+        ax.bar_label(bars, fmt="%.0f", fontsize=8)
+        ax.set_xticks(range(len(names)), [n.replace("_", "\n", 1) for n in names], fontsize=8)
+        ax.set_ylabel("MB/s")
+        save_mb = report["save_size"] / 1e6
+        ax.set_title(f"one torch.save of {save_mb:.0f} MB (upload_only_2x: 2 x {mb / 2:.0f} MB at once)")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
@@ -313,5 +561,7 @@ def chart(report: dict[str, Any], path: Path) -> None:
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--rank":
         rank_main(sys.argv[2], sys.argv[3], int(sys.argv[4]))
+    elif len(sys.argv) > 1 and sys.argv[1] == "--save":
+        save_main(sys.argv[2], sys.argv[3], int(sys.argv[4]))
     else:
         sys.exit(main())

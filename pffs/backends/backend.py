@@ -345,7 +345,7 @@ SLOWEST_TRANSFER_RATE = 10 << 20  # bytes per second
 # S3 uploads (S3Backend.upload): the part size of a multipart upload, and parts sent at once. Measured by
 # bench/dcp.py against a local SeaweedFS: see docs/benchmarks.
 UPLOAD_PART_SIZE = 8 << 20
-UPLOAD_CONCURRENCY = 4
+UPLOAD_CONCURRENCY = 8
 MIN_PART_SIZE = 5 << 20  # S3's least part size (but the last)
 
 BLOCKING_CALL_LIMIT_S = 3600.0  # a call's timeout where no deadline is set (the deadline is always nearer)

@@ -63,6 +63,7 @@ class S3ServerError(OSError):
 
     def __init__(self, code_errno: int, message: str, status: int = 0, error_code: str = "") -> None:
         super().__init__(code_errno, message)
+        self.code = error_code
         self.response = {"ResponseMetadata": {"HTTPStatusCode": status}, "Error": {"Code": error_code}}
 
 
@@ -349,7 +350,7 @@ class NativeS3Getter:
         try:
             response, _ = self._small("PUT", bucket, key, query, {}, body)
         except S3ServerError as exc:
-            if exc.response["Error"]["Code"] == "BadDigest":  # the bytes changed on the way: send again
+            if exc.code == "BadDigest":  # the bytes changed on the way: send again
                 raise ConnectionResetError(errno.EIO, f"part {number} arrived altered (BadDigest)") from exc
             raise
         etag = response.headers.get("etag")

@@ -207,7 +207,7 @@ class Writer(FileSystemWriter):
     def _listing(self) -> dict[str, int]:
         """Name -> size of what is in the checkpoint's folder now: one LIST, which both checks the shards
         and finds the ones to remove."""
-        return self.storage.fs.vfs.backend.sizes_under(self.path)
+        return self.storage.fs.vfs.backend.sizes_under(os.fspath(self.path))
 
     def _check_shards(self, storage_data: dict[Any, _StorageInfo], listed: dict[str, int]) -> set[str]:
         """The shards the metadata names, each checked to be in the store and long enough (else OSError)."""
