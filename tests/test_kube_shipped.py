@@ -707,6 +707,85 @@ def test_a_datasetwarmup_warms_the_node_and_its_gated_pod_then_reads_from_the_ca
     custom.delete(name="shipped-warm", namespace="default")
 
 
+def working_set_mib(container_id: str) -> float | None:
+    """A container's memory working set (usage less inactive file pages, as the kubelet counts it) from its
+    cgroup v1 memory controller on this host (the cgroupfs driver's kubepods tree); None if not found."""
+    found = list(Path("/sys/fs/cgroup/memory").glob(f"kubepods*/**/{container_id}"))
+    if not found:
+        return None
+    usage = int((found[0] / "memory.usage_in_bytes").read_text())
+    stats = dict(line.split() for line in (found[0] / "memory.stat").read_text().splitlines())
+    return (usage - int(stats.get("total_inactive_file", 0))) / (1 << 20)
+
+
+def test_the_chart_pods_memory_in_use_is_within_their_limits(shipped: Shipped) -> None:
+    """What each pffs container uses with the readers running (printed: the figures behind the chart's
+    requests), within its limit."""
+    if not all(last_report(shipped, name) for name in READERS):
+        start_readers(shipped)
+    measured = {}
+    for pod in shipped.core.list_namespaced_pod(NAMESPACE).items:
+        limits = {c.name: c.resources.limits or {} for c in pod.spec.containers}
+        for status in pod.status.container_statuses or []:
+            if not status.container_id or not status.name.startswith("pffs"):
+                continue
+            mib = working_set_mib(status.container_id.rpartition("/")[2])
+            if mib is None:
+                continue
+            limit = limits[status.name].get("memory", "")
+            measured[f"{pod.metadata.labels['app.kubernetes.io/name']}/{status.name}"] = (mib, limit)
+            assert limit.endswith("Gi") or limit.endswith("Mi"), limit
+            bound = float(limit[:-2]) * (1024 if limit.endswith("Gi") else 1)
+            assert mib < bound, (pod.metadata.name, status.name, mib, limit)
+    assert {"pffs-csi-node/pffs-csi", "pffs-csi-mounter/pffs-mounter", "pffs-csi-controller/pffs-csi"} <= set(
+        measured
+    ), measured
+    for name, (mib, limit) in sorted(measured.items()):
+        print(f"memory: {name} {mib:.0f} MiB in use (limit {limit})")
+
+
+def test_the_controller_rolls_out_on_a_one_node_cluster(shipped: Shipped) -> None:
+    """With hostNetwork (as here: no CNI) a surge controller pod would want the metrics port the old one
+    holds on the only node and never schedule; the chart's maxSurge 0 replaces the old pod first."""
+    apps = shipped.apps
+    before = {p.metadata.uid for p in shipped.core.list_namespaced_pod(NAMESPACE).items}
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    patch = {
+        "spec": {"template": {"metadata": {"annotations": {"kubectl.kubernetes.io/restartedAt": stamp}}}}
+    }
+    started = time.monotonic()
+    apps.patch_namespaced_deployment("pffs-csi-controller", NAMESPACE, patch)
+
+    def rolled_out() -> bool:
+        d = apps.read_namespaced_deployment("pffs-csi-controller", NAMESPACE)
+        status = d.status
+        if (status.observed_generation or 0) < d.metadata.generation:
+            return False
+        if (status.updated_replicas or 0) != 1 or (status.available_replicas or 0) != 1:
+            return False
+        pods = [
+            p
+            for p in shipped.core.list_namespaced_pod(
+                NAMESPACE, label_selector="app.kubernetes.io/name=pffs-csi-controller"
+            ).items
+            if p.metadata.deletion_timestamp is None
+        ]
+        return len(pods) == 1 and pods[0].metadata.uid not in before and status.replicas == 1
+
+    poll("the controller rolled out", rolled_out, 180, shipped.logs)
+    print(f"controller rollout on one node (hostNetwork): {time.monotonic() - started:.1f} s")
+
+
+def post_delete_hooks(world: Shipped) -> list[dict[str, Any]]:
+    """The chart's post-delete hook objects (what `helm uninstall` creates after deleting the release's),
+    in Helm's order: by hook weight."""
+    command = [str(TOOLS_BIN / "helm"), "template", "pffs-csi", str(CHART), "-n", NAMESPACE]
+    command += ["-f", str(world.values), "--show-only", "templates/uninstall-hook.yaml"]
+    rendered = subprocess.run(command, capture_output=True, text=True, check=True).stdout
+    hooks = [obj for obj in yaml.safe_load_all(rendered) if obj]
+    return sorted(hooks, key=lambda o: int(o["metadata"]["annotations"].get("helm.sh/hook-weight", "0")))
+
+
 def test_uninstall_after_the_pods_leaves_nothing_mounted_or_running(shipped: Shipped) -> None:
     from kubernetes.client.exceptions import ApiException
 
@@ -734,6 +813,32 @@ def test_uninstall_after_the_pods_leaves_nothing_mounted_or_running(shipped: Shi
     print(f"uninstall: the chart's pods gone in {time.monotonic() - started:.1f} s")
     assert not mount_processes(shipped)
     assert not pffs_mounts(shipped)
+
+    # Then the post-delete hook, as `helm uninstall` runs it: what the driver wrote at run time goes.
+    from kubernetes import client
+
+    leases = client.CoordinationV1Api(shipped.cluster.api())
+    written = {lease.metadata.name for lease in leases.list_namespaced_lease(NAMESPACE).items}
+    assert "pffs.io/cache" in (shipped.core.read_node(NODE).metadata.annotations or {})
+    assert "pffs-warmup-controller" in written, written
+    hooks = post_delete_hooks(shipped)
+    started = time.monotonic()
+    for obj in hooks:
+        apply(shipped.dynamic, obj)
+    batch = client.BatchV1Api(shipped.cluster.api())
+    poll(
+        "the uninstall hook Job succeeds",
+        lambda: (batch.read_namespaced_job("pffs-csi-uninstall", NAMESPACE).status.succeeded or 0) >= 1,
+        180,
+        shipped.logs,
+    )
+    print(f"uninstall hook: done in {time.monotonic() - started:.1f} s (Leases before: {sorted(written)})")
+    annotations = shipped.core.read_node(NODE).metadata.annotations or {}
+    assert not {"pffs.io/cache", "pffs.io/cache-group"} & set(annotations), annotations
+    left = {lease.metadata.name for lease in leases.list_namespaced_lease(NAMESPACE).items}
+    assert not left & {"csi-pffs-io", "pffs-warmup-controller"}, left
+    for obj in reversed(hooks):  # helm.sh/hook-delete-policy: hook-succeeded
+        delete(shipped.dynamic, obj)
 
 
 def pffs_mounts(world: Shipped) -> list[str]:
