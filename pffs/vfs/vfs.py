@@ -123,11 +123,15 @@ class Vfs:
         return self.reader.block(info, index, ask_peers=False)
 
     def stat(self, path: str, *, fresh: bool = False) -> ObjectInfo:
-        info = None if fresh else self.metadata.get(path)
-        if info is None:
-            info, answered = self._ask(lambda: self.backend.stat(path), lambda: self._stale_stat(path))
-            if answered:
-                self.metadata.put(info)
+        cached = None if fresh else self.metadata.get(path)
+        if cached is not None:
+            return cached
+        answer: tuple[ObjectInfo, bool] = self._ask(
+            lambda: self.backend.stat(path), lambda: self._stale_stat(path)
+        )
+        info, answered = answer
+        if answered:
+            self.metadata.put(info)
         return info
 
     def list_dir(self, path: str) -> list[ObjectInfo]:
@@ -139,13 +143,17 @@ class Vfs:
         return self._listing("find", path, self.backend.find)
 
     def _listing(self, kind: str, path: str, ask: Callable[[str], list[ObjectInfo]]) -> list[ObjectInfo]:
-        entries = self.metadata.get_listing(kind, path)
-        if entries is None:
-            entries, answered = self._ask(lambda: ask(path), lambda: self._stale_listing(kind, path))
-            if answered:
-                self.metadata.put_listing(kind, path, entries)
-                if self.kept is not None:
-                    self.kept.save(kind, path, entries)
+        cached = self.metadata.get_listing(kind, path)
+        if cached is not None:
+            return cached
+        answer: tuple[list[ObjectInfo], bool] = self._ask(
+            lambda: ask(path), lambda: self._stale_listing(kind, path)
+        )
+        entries, answered = answer
+        if answered:
+            self.metadata.put_listing(kind, path, entries)
+            if self.kept is not None:
+                self.kept.save(kind, path, entries)
         return entries
 
     # Stale-if-error (pffs.vfs.stale)
