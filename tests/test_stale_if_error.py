@@ -65,10 +65,8 @@ def sdk(server: SeaweedS3, bucket: str, cache_dir: Path, **options: Any) -> Any:
         secret=server.secret_key,
         cache_dir=str(cache_dir),
         block_size="64K",
-        metadata_ttl=TTL,
-        backend_timeout=20,
         skip_instance_cache=True,
-        **options,
+        **{"metadata_ttl": TTL, "backend_timeout": 20, **options},
     )
 
 
@@ -252,3 +250,54 @@ def test_mount_reads_through_an_outage_and_remounts_over_its_warm_cache(
             assert time.monotonic() < deadline, "the new version never showed"
             time.sleep(0.2)
         wait_until("the end of the outage was never logged", lambda: "answers again" in again.log())
+
+
+def test_a_frozen_store_is_unreachable_once_its_deadline_passes(
+    server: SeaweedS3, dataset: tuple[s3fs.S3FileSystem, str], tmp_path: Path
+) -> None:
+    """A store that accepts connections and never answers (SIGSTOP): a stat that reaches its deadline
+    (BackendTimeoutError) is served as last seen, like a refused connection, and cached data reads on."""
+    _, bucket = dataset
+    fs = sdk(server, bucket, tmp_path / "cache", backend_timeout=3)
+    assert read_all_sdk(fs) == EXPECTED
+    time.sleep(TTL * 1.5)
+    with server.freeze():
+        assert read_all_sdk(fs) == EXPECTED
+        served = fs.cache_stats()["stale_metadata_served"]
+        assert served >= len(FILES)
+        assert fs.vfs.outage.active
+
+
+def test_kept_listings_stay_within_their_bound(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The listings kept on disk are bounded: the least recently listed go first; one too big is not
+    kept, and an older one of the same folder does not stand for it."""
+    from pffs.backends.backend import ObjectInfo
+    from pffs.vfs import stale
+
+    def listing(folder: str, count: int) -> list[ObjectInfo]:
+        return [
+            ObjectInfo(f"b/{folder}/{os.urandom(8).hex()}", i, False, f"etag:{os.urandom(16).hex()}")
+            for i in range(count)
+        ]
+
+    monkeypatch.setattr(stale, "MAX_BYTES", 64 << 10)
+    monkeypatch.setattr(stale, "MAX_LISTING_BYTES", 32 << 10)
+    store = stale.MetadataStore(tmp_path / "metadata.sqlite", "s3://test")
+    kept = {f"d{i}": listing(f"d{i}", 100) for i in range(20)}  # ~6 KiB compressed each
+    for folder, entries in kept.items():
+        store.save("dir", f"b/{folder}", entries)
+        store.flush()
+    with sqlite3.connect(tmp_path / "metadata.sqlite") as con:
+        total = con.execute("SELECT SUM(size) FROM listings").fetchone()[0]
+    assert total <= 64 << 10
+    assert store.listing("dir", "b/d19", 60) == kept["d19"]
+    assert store.listing("dir", "b/d0", 60) is None  # the oldest went
+    assert store.listing("dir", "b/d19", -1) is None  # too old for the bound asked
+    store.save("dir", "b/d19", listing("d19", 2000))  # too big to keep
+    store.flush()
+    assert store.listing("dir", "b/d19", 60) is None
+    other = stale.MetadataStore(
+        tmp_path / "metadata.sqlite", "s3://other"
+    )  # one origin does not see another's
+    assert other.listing("dir", "b/d18", 60) is None
+    assert store.listing("dir", "b/d18", 60) == kept["d18"]
