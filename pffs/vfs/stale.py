@@ -8,10 +8,10 @@ folder's last listing does not hold is answered "no such file", as that listing 
 
 Serving a stale entry serves that version's identity, and cache keys carry it: a reader gets the old
 version's blocks, whole, or an error for a block not cached; never a mix of versions. When the backend
-answers again, the next stat past the TTL sees the new version.
+answers again, a stat past the TTL sees the new version (within PROBE_S).
 
-Counted (`stale_metadata_served` in `pffs stats` and Prometheus) and logged once per outage episode at
-WARNING (when it starts, and when the backend answers again). During an episode, a stat or listing that
+Counted (`stale_metadata_served` in `pffs stats` and Prometheus) and logged once per outage episode: at
+WARNING when it starts, at INFO when the backend answers again. During an episode, a stat or listing that
 has a stale answer does not wait for the backend: one request every PROBE_S seconds tries it, the others
 are answered at once (a frozen store would otherwise cost --backend-timeout per stat).
 
@@ -107,7 +107,7 @@ class Outage:
                 return
             lasted, served = time.monotonic() - self.since, self._served
             self.since, self._served = None, 0
-        log.warning(
+        log.info(
             "%s answers again after %.0f s; %d stats and listings were served as last seen meanwhile",
             self.where,
             lasted,
