@@ -301,3 +301,20 @@ def test_kept_listings_stay_within_their_bound(tmp_path: Path, monkeypatch: pyte
     )  # one origin does not see another's
     assert other.listing("dir", "b/d18", 60) is None
     assert store.listing("dir", "b/d18", 60) == kept["d18"]
+
+
+def test_an_answer_is_not_an_outage(
+    server: SeaweedS3, dataset: tuple[s3fs.S3FileSystem, str], tmp_path: Path
+) -> None:
+    """A 404 is an answer: an object deleted in the store is gone once the TTL has passed, however long
+    --stale-if-error is, and nothing is counted as served stale."""
+    raw, bucket = dataset
+    fs = sdk(server, bucket, tmp_path / "cache")
+    assert read_all_sdk(fs) == EXPECTED
+    raw.rm(f"{bucket}/ds/a/05.bin")
+    time.sleep(TTL * 1.5)
+    with pytest.raises(FileNotFoundError):
+        fs.cat_file("a/05.bin")
+    assert "a/05.bin" not in fs.find("")
+    assert fs.cache_stats()["stale_metadata_served"] == 0
+    assert not fs.vfs.outage.active
