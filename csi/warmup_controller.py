@@ -52,6 +52,8 @@ log = logging.getLogger(__name__)
 
 RESYNC_S = 30.0
 REPORT_GRACE_S = 60.0  # how long gated pods wait for a warm node's report after its warm-up ended
+PICKUP_GRACE_S = 120.0  # how long a chosen node's plugin may take to start a warm-up before it is said
+NOT_TAKEN_UP = "not taken up after"
 
 
 class NotYet(Exception):
@@ -69,6 +71,7 @@ class WarmupController:
         self.core: Any = client.CoreV1Api(api_client)
         self.storage: Any = client.StorageV1Api(api_client)
         self.namespace = namespace
+        self.pickup_grace_s = PICKUP_GRACE_S
         identity = f"{socket.gethostname()}-{os.getpid()}"
         self.leader = LeaseLeader(api_client, namespace, "pffs-warmup-controller", identity)
         self._events: queue.SimpleQueue[dict[str, Any] | None] = queue.SimpleQueue()
@@ -158,6 +161,10 @@ class WarmupController:
             self._event(item, "Normal", "Resolved", f"warming {resolved['source']} on {len(nodes)} node(s)")
             return
         rolled = roll_up(status)
+        if "lastError" not in rolled:  # what the nodes say wins; else whether any is not taking it up
+            stalled = self._not_taken_up(status, rolled)
+            if stalled or str(status.get("lastError", "")).startswith(NOT_TAKEN_UP):
+                rolled["lastError"] = stalled  # None (removed) once every node has taken it up
         changed = {k: v for k, v in rolled.items() if status.get(k) != v}
         if changed:
             patch_status(self.custom, namespace, name, changed)
@@ -178,6 +185,26 @@ class WarmupController:
                 self._again_if_due(item, Schedule.parse(spec["schedule"]), status)
             else:
                 self._expire(item, rolled.get("completionTime") or status.get("completionTime"))
+
+    def _not_taken_up(self, status: dict[str, Any], rolled: dict[str, Any]) -> str | None:
+        """Why a warm-up still waits PICKUP_GRACE_S after it was resolved: the nodes whose plugin has not
+        started it (no pffs node plugin there, or one without warmups.enabled). None otherwise."""
+        started = status.get("startTime")
+        if rolled.get("phase") != PENDING or not isinstance(started, str):
+            return None
+        if _age_s(started) < self.pickup_grace_s:
+            return None
+        waiting = sorted(
+            node
+            for node, entry in (status.get("nodes") or {}).items()
+            if entry.get("phase", PENDING) == PENDING and "startTime" not in entry
+        )
+        if not waiting:
+            return None
+        return (
+            f"{NOT_TAKEN_UP} {self.pickup_grace_s:.0f} s on {', '.join(waiting)}: is a pffs-csi-node pod "
+            "running there, with warmups.enabled (the plugin's --warmups)?"
+        )
 
     def _again_if_due(self, item: dict[str, Any], schedule: Schedule, status: dict[str, Any]) -> None:
         """A scheduled warm-up whose schedule fired since its last run started: run it again (the dataset

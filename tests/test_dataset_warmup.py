@@ -450,6 +450,48 @@ def test_a_warmup_that_cannot_start_fails_with_one_readable_message(
         assert "HTTPHeaderDict" not in error and "\n" not in error
 
 
+def test_a_warmup_no_node_plugin_takes_up_says_so_while_it_waits(api_server: Any) -> None:
+    """A chosen node where no pffs plugin warms (none runs there, or without warmups.enabled): after the
+    pick-up grace the warm-up, still Pending, names the nodes and what to check; the message goes once the
+    node has started."""
+    from kubernetes import client
+
+    from pffs.csi.warmup_controller import WarmupController
+
+    api = api_server.api()
+    core, custom = client.CoreV1Api(api), client.CustomObjectsApi(api)
+    core.create_node({"metadata": {"name": "no-plugin-node"}})
+    controller = WarmupController(api, SYSTEM)  # reconciled here, without its watch and Lease
+
+    def item() -> dict[str, Any]:
+        return dict(custom.get_namespaced_custom_object(G, V, "default", P, "idle"))
+
+    spec = {"source": "s3://b/ds", "nodes": {"names": ["no-plugin-node"]}}
+    custom.create_namespaced_custom_object(G, V, "default", P, warmup("idle", **spec))
+    try:
+        controller.reconcile(item())  # resolved: the node chosen, Pending
+        controller.reconcile(item())
+        assert item()["status"]["phase"] == "Pending" and "lastError" not in item()["status"]
+        controller.pickup_grace_s = 0
+        controller.reconcile(item())
+        status = item()["status"]
+        assert status["phase"] == "Pending"
+        assert status["lastError"] == (
+            "not taken up after 0 s on no-plugin-node: is a pffs-csi-node pod running there, with "
+            "warmups.enabled (the plugin's --warmups)?"
+        )
+        started = {"phase": "Running", "startTime": status["startTime"]}
+        custom.patch_namespaced_custom_object_status(
+            G, V, "default", P, "idle", {"status": {"nodes": {"no-plugin-node": started}}},
+            _content_type="application/merge-patch+json",
+        )  # fmt: skip
+        controller.reconcile(item())
+        assert item()["status"]["phase"] == "Running" and "lastError" not in item()["status"]
+    finally:
+        custom.delete_namespaced_custom_object(G, V, "default", P, "idle")
+        core.delete_node("no-plugin-node")
+
+
 def test_a_finished_warmup_is_deleted_after_its_ttl(
     cluster: Cluster, s3_server: SeaweedS3, bucket: str, dataset: dict[str, bytes]
 ) -> None:
