@@ -19,7 +19,7 @@ from pffs.csi import csi_pb2_grpc
 from pffs.csi.cache_group import GROUP_ANNOTATION, GroupConfig, Membership, NodeWatch
 from pffs.csi.controller import ControllerServicer
 from pffs.csi.identity import DRIVER_NAME, IdentityServicer
-from pffs.csi.kubelet import kubelet_answers, kubelet_problem
+from pffs.csi.kubelet import kubelet_problem
 from pffs.csi.metrics import PluginMetrics
 from pffs.csi.mount_runner import MountRunner
 from pffs.csi.mounter import MounterClient
@@ -231,7 +231,7 @@ class Plugin:
         assert self.volumes is not None
         if self.kubelet_problem is not None:
             assert self.options.kubelet_dir is not None
-            if not kubelet_answers(self.options.kubelet_dir):
+            if kubelet_problem(self.options.kubelet_dir) is not None:
                 self.write_readiness()
                 return
             log.info("the kubelet now serves at %s: adopting this node's mounts", self.options.kubelet_dir)
