@@ -179,12 +179,12 @@ def wait_until(what: str, condition: Any, timeout_s: float = 30) -> None:
         time.sleep(0.05)
 
 
-def kept_listings(cache: Path) -> int:
+def kept_listings(cache: Path, kind: str = "dir") -> int:
     path = cache / "metadata.sqlite"
     if not path.exists():
         return 0
     with sqlite3.connect(path) as con:
-        return int(con.execute("SELECT COUNT(*) FROM listings WHERE kind = 'dir'").fetchone()[0])
+        return int(con.execute("SELECT COUNT(*) FROM listings WHERE kind = ?", (kind,)).fetchone()[0])
 
 
 def test_mount_reads_through_an_outage_and_remounts_over_its_warm_cache(
@@ -301,6 +301,35 @@ def test_kept_listings_stay_within_their_bound(tmp_path: Path, monkeypatch: pyte
     )  # one origin does not see another's
     assert other.listing("dir", "b/d18", 60) is None
     assert store.listing("dir", "b/d18", 60) == kept["d18"]
+
+
+def test_a_mount_whose_root_was_never_listed_starts_during_an_outage(
+    server: SeaweedS3, dataset: tuple[s3fs.S3FileSystem, str], tmp_path: Path
+) -> None:
+    """The mount keeps its root as the store gave it: a node restarted during an outage mounts, and reads
+    the folders that were listed, though nobody listed the root itself."""
+    _, bucket = dataset
+    cache = tmp_path / "cache"
+    extra = ("--endpoint-url", server.endpoint_url, "--block-size", "64K", "--dir-ttl", str(TTL))
+    source, env = f"s3://{bucket}/ds", env_for(server)
+    folder = sorted(n for n in FILES if n.startswith("b/"))
+    with Mount(source, tmp_path / "mnt", cache, env, *extra) as mount:
+        assert sorted(os.listdir(mount.path / "b")) == [n[2:] for n in folder]
+        for name in folder:
+            assert sha256((mount.path / name).read_bytes()) == EXPECTED[name]
+            wait_until(
+                f"{name} never reached the disk tier",
+                lambda n=name: float(os.getxattr(mount.path / n, "user.pffs.cached")) >= 1.0,
+            )
+        wait_until("the root was never kept", lambda: kept_listings(cache, "stat") >= 1)
+        wait_until("b/ was never kept", lambda: kept_listings(cache) >= 1)
+        assert mount.umount().returncode == 0
+    server.stop()
+    with Mount(source, tmp_path / "mnt", cache, env, *extra) as again:
+        assert "cannot be reached" in again.log()
+        drop_page_cache()
+        for name in folder:
+            assert sha256((again.path / name).read_bytes()) == EXPECTED[name]
 
 
 def test_an_answer_is_not_an_outage(

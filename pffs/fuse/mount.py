@@ -179,6 +179,8 @@ def _mount_and_serve(
             root_is_new = False
             if not root_info.is_dir:
                 raise NotADirectoryError(20, f"{options.source} is an object, not a directory or prefix")
+            if not vfs.outage.active:
+                vfs.keep(root_info)  # for a mount started while the backend is down
         if vfs.outage.active:  # the root as last seen (stale-if-error): a warm cache, the store down
             notice = (
                 f"{public_url(options.source)}: the backend cannot be reached ({vfs.outage.reason}); "

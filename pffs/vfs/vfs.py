@@ -200,6 +200,9 @@ class Vfs:
         if own is not None:
             named = [e for e in own if e.path.rstrip("/") == path.rstrip("/")]
             return named[0] if named else ObjectInfo(path=path, size=0, is_dir=True, identity="dir")
+        kept = self._stale_listing("stat", path)  # a mount's root (keep)
+        if kept:
+            return kept[0]
         parent = posixpath.dirname(path.rstrip("/"))
         if parent == path or not path:
             return None
@@ -214,6 +217,12 @@ class Vfs:
             f"{self.backend.url(path)}: not in the last listing of its folder (the backend cannot be "
             "reached)",
         )
+
+    def keep(self, info: ObjectInfo) -> None:
+        """Keeps the entry on disk (a mount's root, as the backend gave it): a process started while the
+        backend is down then knows it even if it was never listed."""
+        if self.kept is not None:
+            self.kept.save("stat", info.path, [info])
 
     def _stale_listing(self, kind: str, path: str) -> list[ObjectInfo] | None:
         entries = self.metadata.get_stale_listing(kind, path)
