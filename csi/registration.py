@@ -11,6 +11,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ class RegistrationServicer(pluginregistration_pb2_grpc.RegistrationServicer):
         self.csi_socket = csi_socket
         self.registered: bool | None = None
         self.error = ""
+        self.on_status: Callable[[], None] = lambda: None  # called after each NotifyRegistrationStatus
 
     def GetInfo(self, request: Any, context: grpc.ServicerContext) -> Any:
         return pluginregistration_pb2.PluginInfo(
@@ -42,6 +44,7 @@ class RegistrationServicer(pluginregistration_pb2_grpc.RegistrationServicer):
             log.info("the kubelet registered %s (CSI socket %s)", self.driver_name, self.csi_socket)
         else:
             log.error("the kubelet refused to register %s: %s", self.driver_name, request.error)
+        self.on_status()
         return pluginregistration_pb2.RegistrationStatusResponse()
 
 

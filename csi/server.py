@@ -8,6 +8,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import os
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -124,6 +125,7 @@ class Plugin:
         self.warmup_controller: Any = None
         self.kubelet_problem: str | None = None  # set while no kubelet serves at --kubelet-dir
         self._readiness_written: str | None = None
+        self._readiness_lock = threading.Lock()
         self.server = grpc.server(concurrent.futures.ThreadPoolExecutor(16, thread_name_prefix="csi-rpc"))
         serve_node = options.mode in ("node", "all")
         serve_controller = options.mode in ("controller", "all")
@@ -200,6 +202,7 @@ class Plugin:
                 DRIVER_NAME,
                 options.kubelet_registration_path or self.socket_path or self.address,
             )
+            self.registration.servicer.on_status = self.write_readiness  # Ready as soon as registered
         self.supervisor = Periodic("supervisor", self._supervise, options.check_interval_s)
         if api is not None:
             from pffs.csi.cache_report import CacheReporter, NodeAnnotation
@@ -266,17 +269,18 @@ class Plugin:
         path = self.options.ready_file
         if path is None:
             return
-        text = self.readiness() or "ok"
-        if text == self._readiness_written:
-            return
-        temporary = path.with_name(f".{path.name}.tmp")
-        temporary.write_text(text + "\n")
-        temporary.replace(path)
-        if text != "ok":
-            log.warning("not ready: %s", text)
-        elif self._readiness_written is not None:
-            log.info("ready: the kubelet registered %s", DRIVER_NAME)
-        self._readiness_written = text
+        with self._readiness_lock:  # the supervisor and the registration callback both write it
+            text = self.readiness() or "ok"
+            if text == self._readiness_written:
+                return
+            temporary = path.with_name(f".{path.name}.tmp")
+            temporary.write_text(text + "\n")
+            temporary.replace(path)
+            if text != "ok":
+                log.warning("not ready: %s", text)
+            elif self._readiness_written is not None:
+                log.info("ready: the kubelet registered %s", DRIVER_NAME)
+            self._readiness_written = text
 
     def health(self) -> str | None:
         """/healthz: None while the plugin serves (its gRPC server runs and, on a node, its supervisor
