@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import os
 import re
 import subprocess
 from collections.abc import Iterator
@@ -532,6 +533,7 @@ def exported_metric_names() -> set[str]:
     from prometheus_client.metrics import MetricWrapperBase
 
     from pffs.csi.metrics import MounterMetrics, PluginMetrics
+    from pffs.csi.state import Staged, Target
     from pffs.fuse.metrics import MountCollector
     from pffs.peers.group import COUNTERS
 
@@ -551,7 +553,22 @@ def exported_metric_names() -> set[str]:
     mount = CollectorRegistry()
     mount.register(MountCollector(lambda: report))
     registries = [mount]
-    for metrics in (PluginMetrics(), MounterMetrics()):
+    plugin = PluginMetrics()
+    # One mount (this process standing in for its mount process) and the pod using it, as the records say.
+    target = Target(volume_id="pv-1", pod={"namespace": "ns", "name": "pod", "uid": "u"})
+    plugin.show_volumes(
+        [
+            Staged(
+                volume_id="pv-1",
+                staging_path="/kubelet/plugins/x/globalmount",
+                attributes={"source": "s3://b/p"},
+                capability="mount",
+                pid=os.getpid(),
+                targets={"/kubelet/pods/u/volumes/kubernetes.io~csi/pv-1/mount": target},
+            )
+        ]
+    )
+    for metrics in (plugin, MounterMetrics()):
         for wrapper in vars(metrics).values():
             labelnames = getattr(wrapper, "_labelnames", ())
             if isinstance(wrapper, MetricWrapperBase) and labelnames:
@@ -572,6 +589,7 @@ def test_exported_names_are_what_a_scrape_shows() -> None:
         "pffs_backend_errors_total",
     } <= names
     assert "pffs_csi_rpc" not in names
+    assert {"pffs_csi_volume_info", "pffs_csi_volume_pod_info", "pffs_csi_mount_memory_bytes"} <= names
 
 
 def panels(dashboard: dict[str, Any]) -> Iterator[dict[str, Any]]:
