@@ -7,9 +7,12 @@ csi-uninstall`, a Job): what the driver wrote at run time, which no release obje
 - the Leases of its controllers in the release's namespace: csi-provisioner's leader election
   (`csi-pffs-io`) and the warm-up controller's (`pffs-warmup-controller`).
 
+With `delete_crd` (the chart's uninstall.deleteCrd, off by default), also the CRD datasetwarmups.pffs.io,
+and with it every DatasetWarmup of the cluster.
+
 It first waits (up to `wait_s`) until the chart's node plugin pods are gone, so that none writes its report
 again after the clean-up. Each step is idempotent: a second run finds nothing to do. What stays on purpose
-(the CRD and its DatasetWarmups, each node's state dir with its disk cache) is listed in
+(by default the CRD and its DatasetWarmups; each node's state dir with its disk cache) is listed in
 docs/operations.md, "Uninstalling".
 """
 
@@ -28,6 +31,7 @@ log = logging.getLogger(__name__)
 NODE_ANNOTATIONS = (CACHE_ANNOTATION, GROUP_ANNOTATION)
 LEASES = ("csi-pffs-io", "pffs-warmup-controller")
 NODE_PLUGIN_PODS = "app.kubernetes.io/name=pffs-csi-node"
+CRD = "datasetwarmups.pffs.io"
 TIMEOUT = 30
 
 
@@ -35,10 +39,13 @@ TIMEOUT = 30
 class Cleaned:
     nodes: list[str] = field(default_factory=list)  # Nodes whose annotations were removed
     leases: list[str] = field(default_factory=list)
+    crd: bool = False  # the CRD was deleted
     plugins_left: int = 0  # node plugin pods still there when the wait ended
 
 
-def clean_up(api_client: Any, namespace: str, wait_s: float = 120.0, poll_s: float = 1.0) -> Cleaned:
+def clean_up(
+    api_client: Any, namespace: str, wait_s: float = 120.0, poll_s: float = 1.0, delete_crd: bool = False
+) -> Cleaned:
     from kubernetes import client
     from kubernetes.client.exceptions import ApiException
 
@@ -81,4 +88,13 @@ def clean_up(api_client: Any, namespace: str, wait_s: float = 120.0, poll_s: flo
             raise
         done.leases.append(name)
         log.info("Lease %s/%s deleted", namespace, name)
+    if delete_crd:
+        crds: Any = client.ApiextensionsV1Api(api_client)
+        try:
+            crds.delete_custom_resource_definition(CRD, _request_timeout=TIMEOUT)
+            done.crd = True
+            log.info("CRD %s deleted, with every DatasetWarmup", CRD)
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
     return done

@@ -66,3 +66,30 @@ def test_uninstall_removes_the_drivers_annotations_and_leases_once_its_plugins_a
         for node in ("gpu-a", "gpu-b"):
             core.delete_node(node)
         core.delete_namespace(NAMESPACE)
+
+
+def test_uninstall_deletes_the_crd_only_when_asked(control_plane: Any) -> None:
+    from pathlib import Path
+
+    import yaml
+    from kubernetes import client
+    from kubernetes.client.exceptions import ApiException
+
+    crd_file = Path(__file__).parents[1] / "deploy/helm/pffs-csi/crds/datasetwarmups.pffs.io.yaml"
+    crds = client.ApiextensionsV1Api(control_plane.api())
+    crds.create_custom_resource_definition(yaml.safe_load(crd_file.read_text()))
+    try:
+        kept = uninstall(control_plane, "--wait", "0")
+        out, err = kept.communicate(timeout=60)
+        assert kept.returncode == 0, err
+        assert "CRD" not in out
+        crds.read_custom_resource_definition("datasetwarmups.pffs.io")  # still there
+        deleted = uninstall(control_plane, "--wait", "0", "--delete-crd")
+        out, err = deleted.communicate(timeout=60)
+        assert deleted.returncode == 0, err
+        assert out.strip().endswith("; CRD datasetwarmups.pffs.io deleted")
+    finally:
+        try:
+            crds.delete_custom_resource_definition("datasetwarmups.pffs.io")
+        except ApiException as exc:
+            assert exc.status == 404

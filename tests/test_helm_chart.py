@@ -380,8 +380,20 @@ def test_uninstall_runs_a_post_delete_hook_with_just_the_rules_it_needs() -> Non
         ("Role", "pods", "list"),
         ("Role", "leases", "delete"),
     }
+    assert "--delete-crd" not in pod["containers"][0]["args"]
     off = template({"uninstall": {"cleanup": False}})
     assert not [o for o in off if o["metadata"]["name"] == "pffs-csi-uninstall"]
+    # uninstall.deleteCrd: the Job deletes the CRD too, allowed that one CRD alone.
+    crd = template({"uninstall": {"deleteCrd": True}})
+    (job,) = [o for o in crd if o["kind"] == "Job" and o["metadata"]["name"] == "pffs-csi-uninstall"]
+    assert "--delete-crd" in job["spec"]["template"]["spec"]["containers"][0]["args"]
+    (role,) = [o for o in crd if o["kind"] == "ClusterRole" and o["metadata"]["name"] == "pffs-csi-uninstall"]
+    assert {
+        "apiGroups": ["apiextensions.k8s.io"],
+        "resources": ["customresourcedefinitions"],
+        "resourceNames": ["datasetwarmups.pffs.io"],
+        "verbs": ["delete"],
+    } in role["rules"]
 
 
 def test_every_top_level_value_is_documented() -> None:

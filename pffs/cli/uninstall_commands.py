@@ -34,6 +34,11 @@ def add_parsers(sub: Any, verbosity: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="how long to wait for the node plugin pods to go (default 120)",
     )
+    u.add_argument(
+        "--delete-crd",
+        action="store_true",
+        help="also delete the CRD datasetwarmups.pffs.io, and with it every DatasetWarmup of the cluster",
+    )
     u.set_defaults(run=run_uninstall)
 
 
@@ -53,8 +58,11 @@ def run_uninstall(args: argparse.Namespace) -> int:
             config.load_kube_config(config_file=path, client_configuration=configuration)
     except Exception as exc:  # no kubeconfig, or not in a pod
         raise UsageError(f"cannot reach the cluster: {exc}") from None
-    done = clean_up(client.ApiClient(configuration), args.namespace, wait_s=args.wait)
+    done = clean_up(
+        client.ApiClient(configuration), args.namespace, wait_s=args.wait, delete_crd=args.delete_crd
+    )
     nodes = ", ".join(done.nodes) or "none"
     leases = ", ".join(done.leases) or "none"
-    print(f"pffs csi-uninstall: cache annotations removed from nodes: {nodes}; Leases deleted: {leases}")
+    crd = "; CRD datasetwarmups.pffs.io deleted" if done.crd else ""
+    print(f"pffs csi-uninstall: cache annotations removed from nodes: {nodes}; Leases deleted: {leases}{crd}")
     return 0
