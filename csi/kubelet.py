@@ -21,6 +21,7 @@ import socket
 from pathlib import Path
 
 KUBELET_SOCKETS = ("pod-resources/kubelet.sock",)
+SOCKET_FOLDERS = ("pod-resources", "pods-api")  # folders of the kubelet's own sockets, under its root
 DEFAULT_ROOT = "/var/lib/kubelet"
 CONNECT_TIMEOUT_S = 2.0
 SO_ACCEPTCON = 0x10000  # /proc/net/unix's Flags of a listening socket
@@ -63,12 +64,13 @@ def listening_kubelet_roots(proc: Path = Path("/proc")) -> list[str]:
             # Num RefCount Protocol Flags Type St Inode Path
             if len(fields) < 8 or not int(fields[3], 16) & SO_ACCEPTCON:
                 continue
-            path = " ".join(fields[7:])
-            for name in KUBELET_SOCKETS:
-                if path.endswith("/" + name):
-                    root = path[: -len(name) - 1] or "/"
-                    if root not in roots:
-                        roots.append(root)
+            # The kubelet binds a temporary name in the socket's folder, then renames it: the table shows
+            # ROOT/pod-resources/<digits>, not .../kubelet.sock.
+            folder = os.path.dirname(" ".join(fields[7:]))
+            if os.path.basename(folder) in SOCKET_FOLDERS:
+                root = os.path.dirname(folder)
+                if root not in roots:
+                    roots.append(root)
     return roots
 
 

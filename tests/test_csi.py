@@ -1512,8 +1512,9 @@ def test_the_kubelet_is_found_by_its_sockets_and_a_wrong_path_is_named(tmp_path:
     (proc / "1" / "net").mkdir(parents=True)
     (proc / "1" / "net" / "unix").write_text(
         "Num       RefCount Protocol Flags    Type St Inode Path\n"
-        "0000000000000000: 00000002 00000000 00010000 0001 01 1001 /srv/kubelet/pod-resources/kubelet.sock\n"
-        "0000000000000000: 00000003 00000000 00000000 0001 03 1002 /old/kubelet/device-plugins/kubelet.sock\n"
+        # bound as a temporary name, then renamed to kubelet.sock (cri-client's CreateListener)
+        "0000000000000000: 00000002 00000000 00010000 0001 01 1001 /srv/kubelet/pod-resources/2071845\n"
+        "0000000000000000: 00000003 00000000 00000000 0001 03 1002 /old/kubelet/pod-resources/kubelet.sock\n"
     )
     problem = kubelet_problem(tmp_path / "wrong", proc=proc)
     assert problem is not None

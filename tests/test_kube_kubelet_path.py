@@ -186,6 +186,7 @@ def test_a_fresh_install_with_a_wrong_kubelet_path_fails_naming_the_value_and_th
     assert f"node.kubeletPath is {wrong}, but no kubelet serves there" in answer.stderr, answer.stderr
     assert f"the kubelet on this node uses {cluster.node.kubelet_root}" in answer.stderr, answer.stderr
     assert f"set node.kubeletPath={cluster.node.kubelet_root}" in answer.stderr, answer.stderr
+    assert "from the sockets it listens on" in answer.stderr, "the pod-resources socket was not found"
     # Nothing of the chart was made: no plugin anywhere looks for the kubelet in the wrong place.
     assert not cluster.apps.list_namespaced_daemon_set(NAMESPACE).items
     print(f"install with a wrong node.kubeletPath: failed in {took:.1f} s, saying:\n{answer.stderr.strip()}")
