@@ -56,7 +56,7 @@ class Outage:
     def __init__(self, stale_s: float, stats: CacheStats, where: str) -> None:
         self.stale_s = stale_s
         self.stats = stats
-        self.where = where  # the backend's URL, for the log lines
+        self.where = where  # the backend (its origin: protocol and endpoint), for the log lines
         self._lock = threading.Lock()
         self.since: float | None = None  # monotonic start of the episode, None while the backend answers
         self.reason = ""
@@ -91,7 +91,7 @@ class Outage:
             self.since = self._last_probe = time.monotonic()
             self.reason = _describe(exc)
         log.warning(
-            "%s cannot be reached (%s): serving metadata as last seen, up to %s past its TTL "
+            "the backend %s cannot be reached (%s): serving metadata as last seen, up to %s past its TTL "
             "(--stale-if-error); cached data reads on, the rest fails until the backend answers",
             self.where,
             self.reason,
@@ -108,7 +108,8 @@ class Outage:
             lasted, served = time.monotonic() - self.since, self._served
             self.since, self._served = None, 0
         log.info(
-            "%s answers again after %.0f s; %d stats and listings were served as last seen meanwhile",
+            "the backend %s answers again after %.0f s; %d stats and listings were served as last seen "
+            "meanwhile",
             self.where,
             lasted,
             served,

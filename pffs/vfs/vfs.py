@@ -25,6 +25,7 @@ from pffs.peers.group import PeerGroup
 from pffs.peers.protocol import BlockRequest
 from pffs.peers.server import PeerServer
 from pffs.peers.settings import PeerSettings, split_address
+from pffs.processes import public_url
 from pffs.vfs.metadata import MetadataCache
 from pffs.vfs.readahead import ReadAheadState
 from pffs.vfs.reader import ObjectReader
@@ -64,7 +65,8 @@ class Vfs:
         self.settings = settings
         self.cache = cache or shared_block_cache(settings)
         self.metadata = MetadataCache(settings.metadata_ttl, settings.stale_if_error)
-        self.outage = Outage(settings.stale_if_error, self.cache.stats, backend.url(""))
+        where = public_url(backend.origin or backend.url(""))  # no user:password@ in a log line
+        self.outage = Outage(settings.stale_if_error, self.cache.stats, where)
         # The last listings, on disk, for a process started while the backend is down (pffs.vfs.stale).
         self.kept = (
             MetadataStore(Path(settings.cache_dir) / "metadata.sqlite", backend.origin)
