@@ -1333,7 +1333,6 @@ def log_count(plugin: Plugin, text: str) -> int:
     return plugin.log().count(text)
 
 
-@pytest.mark.timeout(90)
 def _not_aborted(call: Callable[[], Any]) -> bool:
     try:
         call()
@@ -1344,6 +1343,7 @@ def _not_aborted(call: Callable[[], Any]) -> bool:
     return True
 
 
+@pytest.mark.timeout(90)
 def test_publish_onto_a_dead_mount_repairs_it_once_not_twice(
     start_plugin: Callable[..., Plugin], dataset: Dataset, tmp_path: Path
 ) -> None:
