@@ -8,6 +8,8 @@ values).
   changes nothing; forced past the hook (`--no-hooks`, as `helm template | kubectl apply` would), the new
   node plugin is never Ready, says why in its readiness probe's Event, and leaves every mount alone;
   `helm rollback` brings registration back. The pod reads throughout: 0 failed reads.
+- Then the mounter's replacement, planned with `pffs csi-pods`: the pod with HostToContainer gets
+  PffsMountRepaired and reads again; one without gets PffsMountRepairNotSeen (and fails, as it says).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from pffs.testing.s3_server import SeaweedS3
 REPO = Path(__file__).resolve().parent.parent
 RELEASE = "pffs-csi"
 READER_POD = "held-reader"
+BLIND_POD = "reader-without-propagation"  # mounts its volume without mountPropagation: HostToContainer
 
 pytestmark = [pytest.mark.kube, pytest.mark.s3, pytest.mark.timeout(900)]
 
@@ -148,8 +151,9 @@ def cluster(s3_server: SeaweedS3, tmp_path_factory: pytest.TempPathFactory) -> I
         try:
             yield world
         finally:
-            with contextlib.suppress(Exception):
-                world.core.delete_namespaced_pod(READER_POD, "default", grace_period_seconds=1)
+            for name in (READER_POD, BLIND_POD):
+                with contextlib.suppress(Exception):
+                    world.core.delete_namespaced_pod(name, "default", grace_period_seconds=1)
             with contextlib.suppress(Exception):
                 poll("the reader is gone", lambda: not reader_exists(world), 60)
                 poll("its volume unpublished", lambda: not pffs_mounts(world), 60)
@@ -157,7 +161,8 @@ def cluster(s3_server: SeaweedS3, tmp_path_factory: pytest.TempPathFactory) -> I
 
 
 def reader_exists(world: Cluster) -> bool:
-    return any(p.metadata.name == READER_POD for p in world.core.list_namespaced_pod("default").items)
+    names = {p.metadata.name for p in world.core.list_namespaced_pod("default").items}
+    return bool(names & {READER_POD, BLIND_POD})
 
 
 def pffs_mounts(world: Cluster) -> list[str]:
@@ -260,6 +265,66 @@ def test_an_upgrade_to_a_wrong_kubelet_path_and_a_rollback_cost_a_pod_holding_a_
     print(f"helm rollback --wait to registered: {time.monotonic() - started:.1f} s")
     report = reads_on(world, "the rollback")
     print(f"held-file reader through upgrade to a wrong path and rollback: {report}")
+
+
+def test_a_mounter_replaced_tells_each_pod_whether_it_sees_the_repair(cluster: Cluster) -> None:
+    """The one operation that ends mounts, planned with `pffs csi-pods`: it says which pod would read on
+    and which must be restarted; after the mounter's pod is replaced, the first gets PffsMountRepaired and
+    reads files it opens anew, the other gets PffsMountRepairNotSeen (what to change) and no
+    PffsMountRepaired."""
+    world = cluster
+    if not reader_exists(world):
+        pytest.skip("needs the installed release and reader of the test before")
+    inline = {
+        "csi": {
+            "driver": "csi.pffs.io",
+            "readOnly": True,
+            "volumeAttributes": {"source": world.source, "endpointUrl": world.s3.endpoint_url},
+            "nodePublishSecretRef": {"name": "pffs-s3-credentials"},
+        }
+    }
+    blind = reader_pod(BLIND_POD, inline, False, world.expected)
+    del blind["spec"]["containers"][0]["volumeMounts"][0]["mountPropagation"]
+    apply(world.dynamic, blind)
+    poll("the second reader reads", lambda: (last_report(world, BLIND_POD) or {}).get("reopen_ok"), 120)
+    rows = {r["pod"]: r for r in json.loads(pffs_csi_pods(world, "--json"))}
+    assert rows[READER_POD]["sees_repair"] and not rows[BLIND_POD]["sees_repair"]
+    assert rows[BLIND_POD]["containers_without_propagation"] == ["reader"]
+    table = pffs_csi_pods(world, "--node", NODE)
+    assert "restart the pod (reader: no HostToContainer)" in table, table
+    print(f"pffs csi-pods before the mounter's replacement:\n{table}")
+
+    old = daemonset_pods(world, "pffs-csi-mounter")[0]
+    before = last_report(world, READER_POD) or {}
+    world.core.delete_namespaced_pod(old.metadata.name, NAMESPACE)
+    poll(
+        "the reader with HostToContainer reads files it opens anew again",
+        lambda: (
+            (last_report(world, READER_POD) or {}).get("reopen_ok", 0) > before.get("reopen_ok", 0) + 3
+            and (last_report(world, READER_POD) or {}).get("reopen_fail", 0) > 0
+        ),
+        120,
+        world.logs,
+    )
+
+    def reasons(pod: str) -> list[str]:
+        events = world.core.list_namespaced_event("default", field_selector=f"involvedObject.name={pod}")
+        return [e.reason for e in events.items]
+
+    poll("PffsMountRepaired on the reader", lambda: "PffsMountRepaired" in reasons(READER_POD), 60)
+    poll("PffsMountRepairNotSeen on the other", lambda: "PffsMountRepairNotSeen" in reasons(BLIND_POD), 60)
+    assert "PffsMountRepaired" not in reasons(BLIND_POD)
+    events = world.core.list_namespaced_event("default", field_selector=f"involvedObject.name={BLIND_POD}")
+    message = next(e.message for e in events.items if e.reason == "PffsMountRepairNotSeen")
+    assert "add mountPropagation: HostToContainer" in message and "container(s) reader" in message, message
+    print(f"PffsMountRepairNotSeen: {message}")
+    # What it says is so: that pod's files opened anew fail while the other's read.
+    failed = (last_report(world, BLIND_POD) or {}).get("reopen_fail", 0)
+    poll(
+        "the pod without HostToContainer fails on",
+        lambda: (last_report(world, BLIND_POD) or {}).get("reopen_fail", 0) > failed,
+        30,
+    )
 
 
 def pffs_csi_pods(world: Cluster, *args: str) -> str:
