@@ -67,10 +67,12 @@ class Vfs:
         self.metadata = MetadataCache(settings.metadata_ttl, settings.stale_if_error)
         where = public_url(backend.origin or backend.url(""))  # no user:password@ in a log line
         self.outage = Outage(settings.stale_if_error, self.cache.stats, where)
-        # The last listings, on disk, for a process started while the backend is down (pffs.vfs.stale).
+        # The last listings, on disk, for a process started while the backend is down (pffs.vfs.stale);
+        # beside the disk cache, and not where there is none (pffs ls/du of a cache dir that does not exist).
+        directory = self.cache.directory if self.cache.disk is not None else None
         self.kept = (
-            MetadataStore(Path(settings.cache_dir) / "metadata.sqlite", backend.origin)
-            if backend.origin is not None and settings.stale_if_error > 0
+            MetadataStore(directory / "metadata.sqlite", backend.origin)
+            if directory is not None and backend.origin is not None and settings.stale_if_error > 0
             else None
         )
         self.reader = ObjectReader(
