@@ -135,6 +135,11 @@ class SeaweedS3:
             "-master.telemetry=false",
             "-s3.port.iceberg=0",
             "-s3.port.lance=0",
+            # Each bucket is a collection that takes volumes of its own (7 at its first write), and the
+            # default cap is the free disk over 128 MiB: a test session's hundreds of buckets ran out of
+            # volumes ("No writable volumes and no free volumes left") on a disk with 33 GiB free. Volumes
+            # are not preallocated, so a high cap costs nothing until written.
+            "-volume.max=5000",
         ]
         log = self.log_path.open("ab")
         self.process = subprocess.Popen(
