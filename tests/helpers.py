@@ -99,9 +99,15 @@ class FakeHttpServer:
         self.thread.join(timeout=10)
 
 
-def poll(what: str, check: Callable[[], Any], timeout_s: float = 60.0, logs: Callable[[], str] = str) -> Any:
-    """`check()`'s first true result, polled every 0.2 s; AssertionError naming `what` (with `logs()`, the
-    logs of whatever was being waited on) after `timeout_s`."""
+def poll(
+    what: str,
+    check: Callable[[], Any],
+    timeout_s: float = 60.0,
+    logs: Callable[[], str] = str,
+    every_s: float = 0.2,
+) -> Any:
+    """`check()`'s first true result, polled every `every_s`; AssertionError naming `what` (with `logs()`,
+    the logs of whatever was being waited on) after `timeout_s`."""
     deadline = time.monotonic() + timeout_s
     while True:
         result = check()
@@ -109,7 +115,7 @@ def poll(what: str, check: Callable[[], Any], timeout_s: float = 60.0, logs: Cal
             return result
         if time.monotonic() > deadline:
             raise AssertionError(f"{what}: not within {timeout_s:.0f} s\n{logs()[-6000:]}")
-        time.sleep(0.2)
+        time.sleep(every_s)
 
 
 def require(missing: list[str], what: str) -> None:

@@ -103,10 +103,12 @@ def start(program: str, *args: str) -> subprocess.Popen[str]:
 
 
 def kill_once_staged(mount: Mount, writer: subprocess.Popen[str], at_least: int, sig: int) -> None:
-    """Kills the writer while its file is open and at least `at_least` bytes of it are staged."""
+    """Kills the writer while its file is open and at least `at_least` bytes of it are staged. Polled often,
+    so the kill lands mid-write and not once a file is complete and being closed (a close that has begun
+    publishes, as it should: 0.2 s polls missed that window on CI)."""
     try:
         mid_write = lambda: staged_bytes(mount) >= at_least or writer.poll() is not None  # noqa: E731
-        poll("the writer to be mid-write", mid_write)
+        poll("the writer to be mid-write", mid_write, every_s=0.005)
         assert writer.poll() is None, f"the writer ended before it was killed: {writer.communicate()}"
         writer.send_signal(sig)
         assert writer.wait(timeout=60) == -sig
@@ -229,7 +231,7 @@ def test_a_killed_filesystem_writer_leaves_the_previous_checkpoint(
     before = stored(raw_s3, f"{bucket}/dcp/")
     assert any(key.endswith(".distcp") for key in before) and f"{bucket}/dcp/.metadata" in before
     second = start(DCP_SAVE, path, "2")
-    kill_once_staged(mount, second, 32 << 20, signal.SIGKILL)
+    kill_once_staged(mount, second, 16 << 20, signal.SIGKILL)  # two shards of 64 MiB, written at once
     poll("the killed shard to be counted", lambda: mount.stats()["killed_writes"] >= 1, logs=mount.log)
     assert stored(raw_s3, f"{bucket}/dcp/") == before
     load = subprocess.run(
