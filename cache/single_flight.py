@@ -2,32 +2,57 @@
 
 The leader may `publish` its result before it has finished (the cache publishes a fetched block before
 writing it to disk), so waiters need not wait for work that is not theirs.
+
+Waiters share the leader's deadline: they wait for its fetch, which ends within its deadline. A fetch that
+failed because the backend could not be reached (TimeoutError, ConnectionError) stays the answer for
+FAILURE_SHARED_S after: the kernel sends a page's read again when the read that covered it failed, and that
+read must not start a deadline of its own (every reader of a stalled block would then wait twice).
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
+FAILURE_SHARED_S = 1.0  # as pffs.backends.deadline.FAILURE_SHARED_S: re-sent reads come within milliseconds
 
 
 class SingleFlight(Generic[T]):
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._in_flight: dict[str, Future[T]] = {}
+        self._failed: dict[str, tuple[float, Future[T]]] = {}  # key -> (when, its failed fetch)
 
     def reset_after_fork(self) -> None:
         # Fetches in flight belonged to threads that do not exist in the child.
         self._lock = threading.Lock()
         self._in_flight = {}
+        self._failed = {}
+
+    def _recent_failure(self, key: str) -> Future[T] | None:
+        """The fetch of `key` that failed to reach the backend within FAILURE_SHARED_S (under _lock)."""
+        if not self._failed:
+            return None
+        failed = self._failed.get(key)
+        if failed is None or time.monotonic() - failed[0] >= FAILURE_SHARED_S:
+            return None
+        return failed[1]
+
+    def _remember(self, key: str, future: Future[T], error: BaseException) -> None:
+        if isinstance(error, (TimeoutError, ConnectionError)):
+            with self._lock:
+                now = time.monotonic()
+                self._failed = {k: v for k, v in self._failed.items() if now - v[0] < FAILURE_SHARED_S}
+                self._failed[key] = (now, future)
 
     def claim(self, key: str) -> tuple[Future[T], bool]:
         """The future of `key`'s fetch, and whether the caller leads it (then it must `settle` it)."""
         with self._lock:
-            future = self._in_flight.get(key)
+            future = self._in_flight.get(key) or self._recent_failure(key)
             if future is not None:
                 return future, False
             future = self._in_flight[key] = Future()
@@ -42,6 +67,7 @@ class SingleFlight(Generic[T]):
                 del self._in_flight[key]
         if not future.done():
             if error is not None:
+                self._remember(key, future, error)
                 future.set_exception(error)
             else:
                 future.set_result(result)  # type: ignore[arg-type]
@@ -49,7 +75,7 @@ class SingleFlight(Generic[T]):
     def run(self, key: str, fn: Callable[[Callable[[T], None]], T]) -> T:
         """Runs fn(publish) once per key at a time; concurrent callers get the published or returned value."""
         with self._lock:
-            future = self._in_flight.get(key)
+            future = self._in_flight.get(key) or self._recent_failure(key)
             leader = future is None
             if future is None:
                 future = self._in_flight[key] = Future()
@@ -71,6 +97,7 @@ class SingleFlight(Generic[T]):
         except BaseException as exc:
             forget()
             if not future.done():
+                self._remember(key, future, exc)
                 future.set_exception(exc)
             raise
         publish(result)

@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 import fsspec
 from fsspec.asyn import AsyncFileSystem, sync
 
-from pffs.backends.deadline import timeout_left
+from pffs.backends.deadline import SharedCalls, timeout_left
 from pffs.backends.errors import BadOptionError, ObjectChangedError
 from pffs.backends.identity import identity_token, mtime_seconds
 from pffs.backends.posix_metadata import PosixAttributes
@@ -79,6 +79,8 @@ class Backend:
         self._fs_pid = 0
         self._lock = threading.Lock()
         self.requests = RequestStats()
+        # Lookups and listings of one path share one call, and its deadline (deadline.SharedCalls).
+        self._shared: SharedCalls[Any] = SharedCalls()
         _LIVE_BACKENDS.add(self)
 
     authority = ""  # host:port where the URL names one (hdfs://namenode:8020): shown in messages
@@ -154,7 +156,7 @@ class Backend:
         outcome = ERROR
         try:
             extra_s = transfer_bytes / SLOWEST_TRANSFER_RATE
-            result = self.retry.call(self._attempt(fn), self.url(path), extra_s)
+            result = self.retry.call(self._attempt(fn), self.url(path), extra_s, kind, self.requests)
             outcome = OK
             return result
         except FileNotFoundError:
@@ -163,10 +165,24 @@ class Backend:
         finally:
             self.requests.record(kind, time.perf_counter() - started, outcome)
 
+    # stat, list_dir and find: callers of one path at once share one call (and its deadline); subclasses
+    # override _stat, _list_dir and _find.
+
     def stat(self, path: str) -> ObjectInfo:
-        return self._to_info(self._call("head", lambda: self.fs.info(path, **self._wait()), path))
+        info: ObjectInfo = self._shared.run(("stat", path), lambda: self._stat(path))
+        return info
 
     def list_dir(self, path: str) -> list[ObjectInfo]:
+        return list(self._shared.run(("list", path), lambda: self._list_dir(path)))
+
+    def find(self, path: str) -> list[ObjectInfo]:
+        """Every object under path (recursive), from as few listing requests as the backend allows."""
+        return list(self._shared.run(("find", path), lambda: self._find(path)))
+
+    def _stat(self, path: str) -> ObjectInfo:
+        return self._to_info(self._call("head", lambda: self.fs.info(path, **self._wait()), path))
+
+    def _list_dir(self, path: str) -> list[ObjectInfo]:
         entries = self._call("list", lambda: self.fs.ls(path, detail=True, **self._wait()), path)
         return [self._to_info(e) for e in entries if not _folder_marker(e)]
 
@@ -175,8 +191,7 @@ class Backend:
         self.invalidate(path)
         return {posixpath.basename(e.path): e.size for e in self.list_dir(path) if not e.is_dir}
 
-    def find(self, path: str) -> list[ObjectInfo]:
-        """Every object under path (recursive), from as few listing requests as the backend allows."""
+    def _find(self, path: str) -> list[ObjectInfo]:
         found = self._call("list", lambda: self.fs.find(path, detail=True, **self._wait()), path)
         return [
             self._to_info(e) for e in found.values() if e.get("type") != "directory" and not _folder_marker(e)
@@ -305,7 +320,19 @@ class Backend:
             raise ObjectChangedError(self.url(info.path))
 
     def invalidate(self, path: str) -> None:
+        self._forget_shared(path)
         self.fs.invalidate_cache(path)
+
+    def _forget_shared(self, path: str) -> None:
+        """Lookups of `path` and listings of the folders above it, in flight, answer for before a write:
+        callers from now on make calls of their own."""
+        path = path.rstrip("/")
+
+        def above(key: Any) -> bool:
+            other = str(key[1]).rstrip("/")
+            return other == path or not other or path.startswith(other + "/")
+
+        self._shared.forget(above)
 
 
 def _bounds_its_own_calls(fs: Any) -> bool:
@@ -497,17 +524,17 @@ class S3Backend(Backend):
     # puts an empty ATTRIBUTES_MARKER object in a folder before it stores attributes on an entry there;
     # a listed folder without one shows its entries with no stored attributes and no HEAD.
 
-    def list_dir(self, path: str) -> list[ObjectInfo]:
+    def _list_dir(self, path: str) -> list[ObjectInfo]:
         """The folder's entries, without its attributes marker; where it has none (and not
         head_every_file), each entry says that it stores no attributes (posix=PosixAttributes())."""
-        entries = super().list_dir(path)
+        entries = super()._list_dir(path)
         listed = [e for e in entries if not _is_attributes_marker(e.path)]
         if len(listed) < len(entries) or self.head_every_file:
             return listed
         return [dataclasses.replace(e, posix=NO_STORED_ATTRIBUTES) for e in listed]
 
-    def find(self, path: str) -> list[ObjectInfo]:
-        return [e for e in super().find(path) if not _is_attributes_marker(e.path)]
+    def _find(self, path: str) -> list[ObjectInfo]:
+        return [e for e in super()._find(path) if not _is_attributes_marker(e.path)]
 
     def remove(self, path: str) -> None:
         native = self._native_getter() if self.native_puts else None
@@ -552,8 +579,9 @@ class S3Backend(Backend):
     native_puts = True
 
     def invalidate(self, path: str) -> None:
+        self._forget_shared(path)
         if self._fs is not None and self._fs_pid == os.getpid():  # else s3fs has cached nothing here
-            super().invalidate(path)
+            self.fs.invalidate_cache(path)
 
     def upload(self, local_path: str, path: str, attributes: PosixAttributes | None = None) -> None:
         self._mark_folder_of(path, attributes)
@@ -639,12 +667,12 @@ class S3Backend(Backend):
 
         return sync(fs.loop, call, timeout=timeout_left(BLOCKING_CALL_LIMIT_S))
 
-    def stat(self, path: str) -> ObjectInfo:
+    def _stat(self, path: str) -> ObjectInfo:
         """One HEAD, which also reads the object's POSIX attributes; a prefix is recognised by one LIST
         (its marker object `name/`, where there is one, is HEADed for its attributes)."""
         bucket, key = self._split(path)
         if not key:  # a bucket: no attributes of its own
-            return dataclasses.replace(super().stat(path), posix=PosixAttributes())
+            return dataclasses.replace(super()._stat(path), posix=PosixAttributes())
         if _is_attributes_marker(path):
             raise FileNotFoundError(errno.ENOENT, f"{self.url(path)}: pffs's own marker, not shown")
         try:

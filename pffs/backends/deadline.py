@@ -6,15 +6,25 @@ otherwise hold a reader for the client's read timeout times its retries: minutes
 (retry.py) sets the deadline for the thread making the call; the clients below it take their socket
 timeouts from what is left of it (``timeout_left``), and fsspec's async filesystems get it as ``sync``'s
 own timeout, which cancels the request.
+
+Within the deadline, each wait for the next bytes of an answer lasts at most ``attempt_timeout``: an answer
+that stalls (headers sent, then part of the body, then nothing) is abandoned and the call tried again,
+rather than holding its reader for the whole deadline. And callers of one call (SharedCalls: a lookup of
+one name) share its deadline.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Hashable, Iterator
+from concurrent.futures import Future
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
 
 _current = threading.local()
 
@@ -59,3 +69,79 @@ def timeout_left(default: float) -> float:
     if at is None:
         return default
     return max(0.001, min(default, at - time.monotonic()))
+
+
+# The per-attempt timeout. A healthy S3 server sends the first byte of an answer within a few hundred ms and
+# its body without pauses (a loaded one, this CI's SeaweedFS on 2 busy cores, pauses well under a second);
+# a wait for bytes longer than ATTEMPT_FLOOR_S is a stall (a frozen server, a connection dropped without a
+# reset), and the attempt is abandoned and retried. A fifth of the deadline (6 s of the default 30 s) leaves
+# room for at least four attempts against a server that stalls every one of them, and is long enough that
+# a slow but moving answer (bytes keep arriving) is never cut: it bounds each wait, not the transfer.
+ATTEMPT_SHARE = 0.2
+ATTEMPT_FLOOR_S = 2.0
+
+
+def attempt_timeout(deadline_s: float) -> float:
+    """The longest wait for the next bytes of an answer (a socket's connect and read timeout) under a call
+    deadline of ``deadline_s``: a fifth of it, at least ATTEMPT_FLOOR_S, at most the deadline."""
+    return min(deadline_s, max(ATTEMPT_FLOOR_S, deadline_s * ATTEMPT_SHARE))
+
+
+# How long a call that failed because the backend could not be reached keeps failing the callers of its key
+# who come right after it. The kernel sends concurrent lookups of one name one after the other (the later
+# ones wait in the kernel for the first, and are sent when it fails): each would start a deadline of its
+# own, n waiters taking n deadlines. They are sent within milliseconds of the failure; a second covers a
+# busy machine, and a caller who retries later than that gets a call of its own.
+FAILURE_SHARED_S = 1.0
+
+
+class SharedCalls(Generic[T]):
+    """One call per key at a time (a lookup of one name): callers who come while it is in flight wait for
+    its answer, within its deadline, instead of starting their own; a failure to reach the backend
+    (TimeoutError, ConnectionError) is also the answer of those who come within FAILURE_SHARED_S after."""
+
+    def __init__(self) -> None:
+        self._pid = os.getpid()
+        self._lock = threading.Lock()
+        self._calls: dict[Hashable, Future[T]] = {}
+        self._failed: dict[Hashable, tuple[float, BaseException]] = {}
+
+    def run(self, key: Hashable, fn: Callable[[], T]) -> T:
+        if self._pid != os.getpid():  # a forked child: the parent's calls are not in flight here
+            self.__init__()  # type: ignore[misc]
+        with self._lock:
+            failed = self._failed.get(key)
+            if failed is not None and time.monotonic() - failed[0] < FAILURE_SHARED_S:
+                raise failed[1]
+            future = self._calls.get(key)
+            leader = future is None
+            if future is None:
+                future = self._calls[key] = Future()
+        if not leader:
+            return future.result()
+        try:
+            result = fn()
+        except BaseException as exc:
+            with self._lock:
+                if self._calls.get(key) is future:
+                    del self._calls[key]
+                if isinstance(exc, (TimeoutError, ConnectionError)):
+                    now = time.monotonic()
+                    self._failed = {k: v for k, v in self._failed.items() if now - v[0] < FAILURE_SHARED_S}
+                    self._failed[key] = (now, exc)
+            future.set_exception(exc)
+            raise
+        with self._lock:
+            if self._calls.get(key) is future:
+                del self._calls[key]
+        future.set_result(result)
+        return result
+
+    def forget(self, matches: Callable[[Hashable], bool]) -> None:
+        """Callers of the keys that `matches` start calls of their own from now on (a write changed what
+        the calls in flight would answer)."""
+        with self._lock:
+            for key in [k for k in self._calls if matches(k)]:
+                del self._calls[key]
+            for key in [k for k in self._failed if matches(k)]:
+                del self._failed[key]

@@ -1,5 +1,6 @@
 """One retry policy for every backend: temporary failures are retried with capped, jittered exponential
-backoff; permanent ones (403, 404, bad request) are raised at once with a message naming the URL.
+backoff until the call's deadline (--backend-timeout), throttling from a larger base delay; permanent ones
+(403, 404, bad request) are raised at once with a message naming the URL.
 
 Messages are built from the error's type and the server's text, never from the request, so credentials
 cannot leak into them.
@@ -12,11 +13,14 @@ import logging
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, TypeVar
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from pffs.backends.deadline import BackendTimeoutError, deadline
 from pffs.backends.errors import BackendUnavailableError, EndpointNotS3Error, ObjectChangedError
+
+if TYPE_CHECKING:
+    from pffs.backends.request_stats import RequestStats
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -37,40 +41,161 @@ PERMANENT_ERRNOS = {errno.EINVAL, errno.ENOENT, errno.EACCES, errno.EPERM, errno
 TEMPORARY_ERROR_CODES = {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "InternalError"}
 
 
+# Answers that say "slow down": retried after longer pauses (THROTTLED_DELAY_S, as the AWS SDKs' 500 ms
+# throttled base against their 100 ms), so many clients throttled at once back off rather than pile on.
+THROTTLING_CODES = {
+    "SlowDown",
+    "Throttling",
+    "ThrottlingException",
+    "ThrottledException",
+    "RequestThrottled",
+    "RequestThrottledException",
+    "TooManyRequests",
+    "TooManyRequestsException",
+    "RequestLimitExceeded",
+    "ProvisionedThroughputExceededException",
+}
+# What ended a failed attempt, as counted (request_stats.RETRY_COUNTERS) and said in the episode's line.
+THROTTLED, TIMED_OUT, RESET, SERVER_ERROR, OTHER = "throttled", "timeouts", "resets", "server_errors", "other"
+ATTEMPTS_WITHOUT_DEADLINE = 10  # a call with neither a deadline nor a count of attempts
+LAST_ATTEMPT_S = 0.2  # the least time left worth a last attempt: a pause ends this long before the deadline
+
+
 @dataclass(frozen=True)
 class RetryPolicy:
-    attempts: int = 4
-    base_delay_s: float = 0.2
+    """Temporary failures are retried until the call's deadline (timeout_s), with capped exponential backoff
+    and jitter; throttling answers from a larger base delay. `attempts` caps the count as well (None: the
+    deadline alone decides; without a deadline either, ATTEMPTS_WITHOUT_DEADLINE)."""
+
+    attempts: int | None = None
+    base_delay_s: float = 0.1
     max_delay_s: float = 5.0
     timeout_s: float | None = None  # the deadline of one call, retries included (deadline.py); None: none
     endpoint: str | None = None  # the S3 endpoint given (--endpoint-url), named when it does not answer as S3
+    throttled_delay_s: float = 0.5
 
-    def delay(self, attempt: int) -> float:
-        capped = min(self.max_delay_s, self.base_delay_s * (2**attempt))
+    def delay(self, attempt: int, throttled: bool = False) -> float:
+        """The pause after failed attempt number `attempt` (0 for the first): between half and all of the
+        base delay doubled per attempt, capped at max_delay_s."""
+        base = self.throttled_delay_s if throttled else self.base_delay_s
+        capped = min(self.max_delay_s, base * (2 ** min(attempt, 30)))
         return capped * (0.5 + random.random() / 2)
 
-    def call(self, fn: Callable[[], T], url: str, extra_s: float = 0.0) -> T:
+    def call(
+        self,
+        fn: Callable[[], T],
+        url: str,
+        extra_s: float = 0.0,
+        kind: str = "",
+        stats: RequestStats | None = None,
+    ) -> T:
         """fn() with retries, all within the deadline: timeout_s, plus extra_s for a call that moves much
-        data (an upload's time grows with its size; a hung backend still ends it)."""
+        data (an upload's time grows with its size; a hung backend still ends it). A call that needed
+        retries (an episode) is counted into `stats` as `kind` and said in one line at INFO when it ends."""
         timeout_s = None if self.timeout_s is None else self.timeout_s + extra_s
+        limit = self.attempts or (ATTEMPTS_WITHOUT_DEADLINE if timeout_s is None else None)
+        episode = Episode(url, kind, time.monotonic())
         with deadline(timeout_s) as at:
-            for attempt in range(self.attempts):
+            while True:
+                episode.attempts += 1
                 try:
-                    return fn()
+                    result = fn()
                 except BaseException as exc:
                     if not is_temporary(exc):
+                        episode.end(stats, exc)
                         raise permanent_error(exc, url, self.endpoint) from exc
+                    cause = failure_cause(exc)
+                    episode.failures[cause] = episode.failures.get(cause, 0) + 1
                     left = None if at is None else at - time.monotonic()
-                    if left is not None and left <= 0.001:
-                        raise BackendTimeoutError(url, timeout_s or 0.0, describe(exc)) from exc
-                    if attempt == self.attempts - 1:
-                        raise BackendUnavailableError(
-                            f"{url}: backend unavailable after {self.attempts} attempts: {describe(exc)}"
-                        ) from exc
-                    pause = self.delay(attempt) if left is None else min(self.delay(attempt), left)
+                    pause = self.delay(episode.attempts - 1, cause == THROTTLED)
+                    if left is not None and left <= LAST_ATTEMPT_S:
+                        episode.end(stats, exc)
+                        if cause == TIMED_OUT:
+                            raise BackendTimeoutError(url, timeout_s or 0.0, describe(exc)) from exc
+                        raise episode.unavailable(exc, timeout_s) from exc
+                    if limit is not None and episode.attempts >= limit:
+                        episode.end(stats, exc)
+                        raise episode.unavailable(exc, timeout_s) from exc
+                    if left is not None:
+                        pause = min(pause, left - LAST_ATTEMPT_S)
                     log.debug("temporary failure on %s (%s); retrying in %.2fs", url, describe(exc), pause)
                     time.sleep(pause)
-        raise AssertionError("unreachable")
+                else:
+                    episode.end(stats, None)
+                    return result
+
+
+@dataclass
+class Episode:
+    """The attempts of one call: those that needed retries are counted and logged once, when they end."""
+
+    url: str
+    kind: str
+    started: float
+    attempts: int = 0
+    failures: dict[str, int] = field(default_factory=dict)  # cause -> failed attempts
+
+    def end(self, stats: RequestStats | None, error: BaseException | None) -> None:
+        if self.attempts <= 1:
+            return
+        if stats is not None:
+            stats.record_retries(self.kind, self.attempts - 1, self.failures)
+        what = self.kind.upper() or "call"
+        seconds = time.monotonic() - self.started
+        causes = ", ".join(f"{n} {CAUSE_WORDS[cause]}" for cause, n in sorted(self.failures.items()))
+        if error is None:
+            log.info("%s: %s answered after %d attempts in %.1f s (%s)", self.url, what, self.attempts,
+                     seconds, causes)  # fmt: skip
+        else:
+            log.info("%s: %s failed after %d attempts in %.1f s (%s): %s", self.url, what, self.attempts,
+                     seconds, causes, describe(error))  # fmt: skip
+
+    def unavailable(self, exc: BaseException, timeout_s: float | None) -> BackendUnavailableError:
+        within = f" (--backend-timeout {timeout_s:g} s)" if timeout_s is not None else ""
+        return BackendUnavailableError(
+            f"{self.url}: backend unavailable after {self.attempts} attempts: {describe(exc)}{within}"
+        )
+
+
+CAUSE_WORDS = {
+    THROTTLED: "throttled",
+    TIMED_OUT: "timed out",
+    RESET: "reset",
+    SERVER_ERROR: "server errors",
+    OTHER: "other",
+}
+
+RESET_NAMES = {
+    "EndpointConnectionError",
+    "ConnectionClosedError",
+    "ClientConnectorError",
+    "ServerDisconnectedError",
+    "ClientPayloadError",
+    "IncompleteReadError",
+    "ResponseStreamingError",
+    "ClientOSError",
+}
+TIMEOUT_NAMES = {"ConnectTimeoutError", "ReadTimeoutError", "ServerTimeoutError", "FSTimeoutError"}
+
+
+def failure_cause(exc: BaseException) -> str:
+    """What ended a failed attempt (of a temporary failure): throttled, timed out, reset, a server error."""
+    status, code = _http_status(exc)
+    if status in (429, 503) or code in THROTTLING_CODES:
+        return THROTTLED
+    if status is not None and status >= 500:
+        return SERVER_ERROR
+    names = {cls.__name__ for cls in type(exc).__mro__}
+    if isinstance(exc, TimeoutError) or names & TIMEOUT_NAMES:
+        return TIMED_OUT
+    if isinstance(exc, ConnectionError) or names & RESET_NAMES:
+        return RESET
+    cause = exc.__cause__ or exc.__context__
+    if cause is not None and cause is not exc:  # s3fs's OSError raised from botocore's or aiohttp's
+        found = failure_cause(cause)
+        if found != OTHER:
+            return found
+    return OTHER
 
 
 def is_temporary(exc: BaseException) -> bool:
@@ -82,25 +207,12 @@ def is_temporary(exc: BaseException) -> bool:
         return True
     status, code = _http_status(exc)
     if status is not None:
-        return status >= 500 or status == 429 or code in TEMPORARY_ERROR_CODES
+        return status >= 500 or status == 429 or code in TEMPORARY_ERROR_CODES | THROTTLING_CODES
     if isinstance(exc, OSError):
         return exc.errno not in PERMANENT_ERRNOS
     # botocore and aiohttp connection/timeout errors are not OSErrors; recognise them by name.
     names = {cls.__name__ for cls in type(exc).__mro__}
-    return bool(
-        names
-        & {
-            "EndpointConnectionError",
-            "ConnectTimeoutError",
-            "ReadTimeoutError",
-            "ConnectionClosedError",
-            "ClientConnectorError",
-            "ServerDisconnectedError",
-            "ClientPayloadError",
-            "IncompleteReadError",
-            "ResponseStreamingError",
-        }
-    )
+    return bool(names & (RESET_NAMES | TIMEOUT_NAMES))
 
 
 def _http_status(exc: BaseException) -> tuple[int | None, str | None]:

@@ -21,6 +21,7 @@ import fsspec
 from fsspec.registry import known_implementations
 
 from pffs.backends.backend import Backend, LocalBackend, S3Backend
+from pffs.backends.deadline import attempt_timeout
 from pffs.backends.errors import BadOptionError, UnknownSchemeError
 from pffs.backends.helper_process import fork_safe_client
 from pffs.backends.options import BackendOptions
@@ -115,8 +116,8 @@ def _plain_native(options: BackendOptions) -> NativeS3Getter | None:
         options.region,
         explicit,
         options.anonymous,
-        min(options.connect_timeout_s, options.backend_timeout),
-        min(options.read_timeout_s, options.backend_timeout),
+        min(options.connect_timeout_s, attempt_timeout(options.backend_timeout)),
+        min(options.read_timeout_s, attempt_timeout(options.backend_timeout)),
     )
 
 
@@ -129,9 +130,10 @@ def _make_s3fs(options: BackendOptions) -> fsspec.AbstractFileSystem:
         # Our metadata cache has its own TTL; s3fs's listing cache would outlive it.
         "use_listings_cache": False,
         "config_kwargs": {
-            # no wait longer than the deadline (which also cancels the request: deadline.py)
-            "connect_timeout": min(options.connect_timeout_s, options.backend_timeout),
-            "read_timeout": min(options.read_timeout_s, options.backend_timeout),
+            # no wait for bytes longer than the per-attempt timeout (a stalled answer is retried), no call
+            # longer than the deadline (which also cancels the request): deadline.py
+            "connect_timeout": min(options.connect_timeout_s, attempt_timeout(options.backend_timeout)),
+            "read_timeout": min(options.read_timeout_s, attempt_timeout(options.backend_timeout)),
             "max_pool_connections": options.max_connections,
             "retries": {"max_attempts": 1},  # our RetryPolicy is the only retry loop
         },

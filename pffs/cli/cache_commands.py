@@ -178,6 +178,17 @@ def stats(args: argparse.Namespace) -> int:
         if timed:
             line += f" {row['p50_ms']:>9.2f} {row['p90_ms']:>9.2f} {row['p99_ms']:>9.2f}"
         print(line)
+    if timed:
+        print()
+        print(
+            f"{'backend retries':<16} {'retries':>9} {'throttled':>10} {'timeouts':>9} {'resets':>7} "
+            f"{'5xx':>7}"
+        )
+        for kind, row in report["backend_requests"].items():
+            print(
+                f"{kind:<16} {row.get('retries', 0):>9,} {row.get('throttled', 0):>10,} "
+                f"{row.get('timeouts', 0):>9,} {row.get('resets', 0):>7,} {row.get('server_errors', 0):>7,}"
+            )
     return 0
 
 

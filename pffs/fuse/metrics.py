@@ -24,6 +24,14 @@ CACHE_COUNTERS = {
     "disk_write_failures": "blocks that could not be written to the disk tier",
     "stale_metadata_served": "stats and listings served as last seen: the backend could not be reached",
 }
+# Per backend request kind: what the retries of calls that needed them met (request_stats.RETRY_COUNTERS).
+RETRY_COUNTERS = {
+    "retries": "attempts beyond the first, of calls retried within --backend-timeout",
+    "throttled": "attempts answered with throttling (503 SlowDown, 429)",
+    "timeouts": "attempts that got no answer, or an answer that stalled, within the per-attempt timeout",
+    "resets": "attempts ended by a connection refused, reset or closed mid-answer",
+    "server_errors": "attempts answered with a server error (5xx other than throttling)",
+}
 
 
 class MountCollector(Collector):
@@ -50,7 +58,13 @@ class MountCollector(Collector):
             "backend request latency over recent requests",
             labels=["kind", "quantile"],
         )
+        retried = {
+            name: CounterMetricFamily(f"pffs_backend_{name}", text, labels=["kind"])
+            for name, text in RETRY_COUNTERS.items()
+        }
         for kind, row in report["backend_requests"].items():
+            for name, family in retried.items():
+                family.add_metric([kind], row.get(name, 0))
             requests.add_metric([kind], row["requests"])
             errors.add_metric([kind], row["errors"])
             not_found.add_metric([kind], row.get("not_found", 0))
@@ -60,6 +74,7 @@ class MountCollector(Collector):
         yield errors
         yield not_found
         yield latency
+        yield from retried.values()
         yield GaugeMetricFamily(
             "pffs_uploads_pending", "files written and not uploaded yet", value=report["uploads_pending"]
         )
