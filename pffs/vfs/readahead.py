@@ -3,14 +3,21 @@
 Per open object, a reader that keeps reading where it stopped doubles its window (up to the byte budget); a
 seek elsewhere drops it back to none. Reads near each other that skip much of what lies between them (a
 parquet column projection: 1 MB reads 2 MB apart) are no stream: read-ahead starts only while the recent
-reads cover at least DENSE_FRACTION of the stretch they span. All readers of a process share one budget of
-bytes in flight.
+reads cover at least DENSE_FRACTION of the stretch they span.
+
+All readers of a process share one budget of read-ahead bytes (issue 43): a block fetched ahead counts from
+the moment it is asked for until its reader has moved past it (or closed the file) and its fetch has ended,
+not only while it is in flight; held, finished blocks were what grew the mount to 1.4 GiB with 16 readers.
+A window the budget cannot give shrinks to what it can (the rest is asked for again at the next read), and
+a reader holds at most its fair share of the budget while others hold some too. See docs/guides/memory.md.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import deque
+from collections.abc import Iterator
 from concurrent.futures import Future
 
 from pffs.cache import Block
@@ -26,28 +33,68 @@ DENSE_FRACTION = 2 / 3
 RECENT_READS = 8  # the reads whose coverage decides
 
 
-class ReadAheadBudget:
-    """Bytes of read-ahead in flight in this process, bounded."""
+class ByteBudget:
+    """A bound on bytes of buffers in use, shared by threads: `acquire` waits for room (reads that need
+    blocks), `try_acquire` takes room only if there is some (read-ahead, which must never wait)."""
 
     def __init__(self, limit_bytes: int) -> None:
         self.limit_bytes = limit_bytes
-        self._in_flight = 0
-        self._lock = threading.Lock()
+        self._in_use = 0
+        self._holders = 0  # readers holding read-ahead (for try_acquire's fair share)
+        # Reentrant: a state dropped by the garbage collector (an SDK file never closed) releases its
+        # read-ahead from __del__, which may run in a thread inside acquire or release.
+        self._cond = threading.Condition(threading.RLock())
 
     def reset_after_fork(self) -> None:
-        self._lock = threading.Lock()
-        self._in_flight = 0
+        self._cond = threading.Condition(threading.RLock())
+        self._in_use = 0
+        self._holders = 0
 
-    def try_reserve(self, nbytes: int) -> bool:
-        with self._lock:
-            if self._in_flight + nbytes > self.limit_bytes:
+    @property
+    def in_use(self) -> int:
+        return self._in_use
+
+    def try_acquire(self, nbytes: int, held: int = 0) -> bool:
+        """Takes `nbytes` if the budget has them and the taker, holding `held` bytes already, stays within
+        its fair share (the limit over the readers holding any, itself counted)."""
+        with self._cond:
+            if self._in_use + nbytes > self.limit_bytes:
                 return False
-            self._in_flight += nbytes
+            if held and held + nbytes > self.limit_bytes // max(1, self._holders):
+                return False
+            self._in_use += nbytes
             return True
 
+    def acquire(self, nbytes: int) -> int:
+        """Waits until `nbytes` (at most the whole budget) fit, takes them and returns what was taken."""
+        nbytes = min(nbytes, self.limit_bytes)
+        with self._cond:
+            while self._in_use + nbytes > self.limit_bytes:
+                self._cond.wait()
+            self._in_use += nbytes
+        return nbytes
+
     def release(self, nbytes: int) -> None:
-        with self._lock:
-            self._in_flight -= nbytes
+        with self._cond:
+            self._in_use = max(0, self._in_use - nbytes)  # (a forked child drops its parent's blocks)
+            self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def held(self, nbytes: int) -> Iterator[None]:
+        """`nbytes` taken (waiting for them) for the body, given back after."""
+        taken = self.acquire(nbytes)
+        try:
+            yield
+        finally:
+            self.release(taken)
+
+    def holding(self, started: bool) -> None:
+        """A reader started (or stopped) holding read-ahead."""
+        with self._cond:
+            self._holders += 1 if started else -1
+
+
+ReadAheadBudget = ByteBudget
 
 
 class ReadAheadState:
@@ -57,8 +104,11 @@ class ReadAheadState:
     small the memory tier is (and never has to be fetched twice).
     """
 
-    def __init__(self, max_window_blocks: int, slack_bytes: int = 0) -> None:
+    def __init__(
+        self, max_window_blocks: int, slack_bytes: int = 0, budget: ByteBudget | None = None
+    ) -> None:
         self.max_window_blocks = max(0, max_window_blocks)
+        self.budget = budget  # what the blocks in `pending` are counted against (see hold)
         # Reads within this distance of where the last one ended still count as sequential: the kernel
         # sends a FUSE file's read-ahead as several requests at once, which arrive in any order.
         self.slack_bytes = slack_bytes
@@ -74,21 +124,54 @@ class ReadAheadState:
         self.streaming = True  # the last read continued the ones before it densely (or started at 0)
         self.scheduled_up_to = -1  # highest block index already handed to the prefetcher
         self.pending: dict[int, Future[Block]] = {}
+        self.held: dict[int, int] = {}  # bytes of the budget each pending block holds
+        self.held_bytes = 0
         self.lock = threading.Lock()  # a handle may be read from several threads (FUSE does)
+
+    def hold(self, index: int, nbytes: int) -> bool:
+        """Takes `nbytes` of the budget for block `index` about to be fetched ahead; False if the budget
+        (or this reader's share of it) has no room: the window shrinks to what it got."""
+        if self.budget is not None:
+            if not self.budget.try_acquire(nbytes, self.held_bytes):
+                return False
+            if not self.held_bytes:
+                self.budget.holding(True)
+        self.held[index] = nbytes
+        self.held_bytes += nbytes
+        return True
+
+    def _drop(self, index: int) -> None:
+        """Drops a pending block: its budget comes back once its fetch has ended (at once if it had)."""
+        future = self.pending.pop(index)
+        future.cancel()
+        nbytes = self.held.pop(index, 0)
+        if not nbytes:
+            return
+        self.held_bytes -= nbytes
+        budget = self.budget
+        if budget is None:
+            return
+        if not self.held_bytes:
+            budget.holding(False)
+        future.add_done_callback(lambda _: budget.release(nbytes))
 
     def take(self, first: int, last: int) -> dict[int, Future[Block]]:
         """The prefetched blocks of [first, last]; drops those behind `first` (read, or skipped by a seek).
         A block stays here until the reader moves past it: the several requests that read one block find
         it here (prefetched blocks do not go into the memory tier, see ObjectReader._prefetch)."""
         for index in [i for i in self.pending if i < first]:
-            self.pending.pop(index).cancel()
+            self._drop(index)
         return {i: self.pending[i] for i in range(first, last + 1) if i in self.pending}
 
     def close(self) -> None:
         with self.lock:
-            for future in self.pending.values():
-                future.cancel()
-            self.pending.clear()
+            for index in list(self.pending):
+                self._drop(index)
+
+    def __del__(self) -> None:
+        # A file dropped unclosed gives its read-ahead budget back (no lock: nothing else can hold it now).
+        for index in list(self.pending):
+            self._drop(index)
 
     @property
     def random(self) -> bool:

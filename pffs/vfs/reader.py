@@ -5,6 +5,11 @@ A read of [offset, offset+length) is split into blocks; each block comes from me
 reader is sequential. A random read takes from a block only the part it wants: from the block if that is
 cached, else from pieces of 64 KiB and of a page (see pieces.py). Every key carries the object's identity,
 so bytes of two versions never mix.
+
+Memory (issue 43, docs/guides/memory.md): the buffers of reads come from two budgets of bytes, whatever the
+number of readers. Read-ahead holds at most `readahead_bytes` (it shrinks when that is used up); the reads
+that wait for blocks hold at most `reads_bytes` (fetch_workers blocks), counted for every block a read
+touches, so a reader waits for room before it asks for any block and never while holding one.
 """
 
 from __future__ import annotations
@@ -19,8 +24,8 @@ from pffs.cache.aligned import aligned_buffer
 from pffs.cache.fork import after_fork_in_child
 from pffs.peers.group import PeerGroup
 from pffs.vfs.byte_ranges import covered_bytes
-from pffs.vfs.pieces import PieceReader
-from pffs.vfs.readahead import ReadAheadBudget, ReadAheadState
+from pffs.vfs.pieces import PIECE_SIZE, PieceReader
+from pffs.vfs.readahead import ByteBudget, ReadAheadState
 
 
 class ObjectReader:
@@ -36,7 +41,10 @@ class ObjectReader:
         self.cache = cache
         self.block_size = block_size
         self.readahead_blocks = readahead_bytes // block_size
-        self.budget = ReadAheadBudget(readahead_bytes)
+        self.budget = ByteBudget(readahead_bytes)  # blocks fetched ahead, until their reader is past them
+        # Blocks of the reads being served, from wherever they come: one block per fetch thread, at least
+        # two (a read across a block boundary).
+        self.reads = ByteBudget(reads_budget_bytes(block_size, workers))
         self.workers = workers
         self.pieces = PieceReader(backend, cache)
         self.peers: PeerGroup | None = None  # a cache group's members, asked before the backend
@@ -50,6 +58,7 @@ class ObjectReader:
         self._pool = None
         self._pool_lock = threading.Lock()
         self.budget.reset_after_fork()
+        self.reads.reset_after_fork()
 
     @property
     def pool(self) -> ThreadPoolExecutor:
@@ -61,7 +70,7 @@ class ObjectReader:
         return self._pool
 
     def new_state(self) -> ReadAheadState:
-        return ReadAheadState(self.readahead_blocks, slack_bytes=self.block_size)
+        return ReadAheadState(self.readahead_blocks, slack_bytes=self.block_size, budget=self.budget)
 
     def key(self, info: ObjectInfo, index: int) -> str:
         return f"{info.cache_id}-{self.block_size}-{index}"
@@ -123,6 +132,9 @@ class ObjectReader:
         if offset >= end:
             return b""
         first, last = offset // self.block_size, (end - 1) // self.block_size
+        most = max(1, self.reads.limit_bytes // self.block_size)  # blocks one read may hold at once
+        if last - first + 1 > most:
+            return self._read_in_parts(info, offset, end, state, most, as_view)
         ready: dict[int, Future[Block]] = {}
         random_access = False
         if state is not None:
@@ -133,19 +145,44 @@ class ObjectReader:
             for index in ready:  # fetched (or found) ahead for this read: counted then
                 self.cache.forget_ahead(self.key(info, index))
         if random_access and not ready:
-            data = self._read_sparse(info, offset, end, first, last)
-            return data if as_view or isinstance(data, bytes) else bytes(data)
-        # Blocks after the first are fetched in parallel while the first is read here.
-        for index in range(first + 1, last + 1):
-            if index not in ready:
-                ready[index] = self.pool.submit(self.block, info, index)
-        try:
-            first_block = ready.pop(first).result() if first in ready else self.block(info, first)
-            blocks = [first_block] + [ready[i].result() for i in range(first + 1, last + 1)]
-        finally:
-            for future in ready.values():
-                future.cancel()
-        return self._assemble(blocks, offset, end, first, last, as_view)
+            # Pieces of at most the bytes asked for (rounded out to pieces) and the whole blocks inside.
+            with self.reads.held(min((last - first + 1) * self.block_size, end - offset + 2 * PIECE_SIZE)):
+                data = self._read_sparse(info, offset, end, first, last)
+                return data if as_view or isinstance(data, bytes) else bytes(data)
+        # Room for every block of the read before it asks for any (so it never waits holding one).
+        with self.reads.held((last - first + 1) * self.block_size):
+            # Blocks after the first are fetched in parallel while the first is read here.
+            for index in range(first + 1, last + 1):
+                if index not in ready:
+                    ready[index] = self.pool.submit(self.block, info, index)
+            try:
+                first_block = ready.pop(first).result() if first in ready else self.block(info, first)
+                blocks = [first_block] + [ready[i].result() for i in range(first + 1, last + 1)]
+            finally:
+                for future in ready.values():
+                    future.cancel()
+            return self._assemble(blocks, offset, end, first, last, as_view)
+
+    def _read_in_parts(
+        self,
+        info: ObjectInfo,
+        offset: int,
+        end: int,
+        state: ReadAheadState | None,
+        most: int,
+        as_view: bool,
+    ) -> Block:
+        """A read of more blocks than one read may hold at once: `most` blocks at a time, into one buffer
+        (the caller's bytes, not the cache's)."""
+        out = bytearray(end - offset)
+        position = offset
+        while position < end:
+            stop = min(end, (position // self.block_size + most) * self.block_size)
+            part = self.read_view(info, position, stop - position, state)
+            out[position - offset : position - offset + len(part)] = part
+            position += len(part)
+            del part
+        return memoryview(out) if as_view else bytes(out)
 
     def _read_sparse(self, info: ObjectInfo, offset: int, end: int, first: int, last: int) -> Block:
         """A random read of [offset, end): the blocks it covers whole are read as blocks (in parallel); of
@@ -239,20 +276,22 @@ class ObjectReader:
         """Records the read [offset, end) and starts the blocks the read-ahead window asks for now.
         Called with state.lock held."""
         for index in state.on_read(offset, end, last):
-            if index < self.block_count(info) and (future := self._prefetch(info, index)) is not None:
-                state.pending[index] = future
+            if index >= self.block_count(info):
+                break
+            start, stop = self.block_range(info, index)
+            if not state.hold(index, stop - start):
+                # The budget is used up: the window shrinks to what it got; the rest is asked for again at
+                # the next read (read-ahead waits, it never allocates past the budget).
+                state.scheduled_up_to = index - 1
+                break
+            state.pending[index] = self._prefetch(info, index)
 
-    def _prefetch(self, info: ObjectInfo, index: int) -> Future[Block] | None:
-        """Starts fetching a block ahead of the reader, if the process's read-ahead budget allows."""
-        start, end = self.block_range(info, index)
-        if not self.budget.try_reserve(end - start):
-            return None
+    def _prefetch(self, info: ObjectInfo, index: int) -> Future[Block]:
+        """Starts fetching a block ahead of the reader (its budget taken: see ReadAheadState.hold)."""
         # Not into the memory tier: a stream read once would push out everything else there (and its
         # blocks would fill fresh memory, which costs more here than the network). The handle holds the
         # block while it reads it; the disk tier keeps it.
-        future = self.pool.submit(self.block, info, index, False, ahead=True)
-        future.add_done_callback(lambda _: self.budget.release(end - start))
-        return future
+        return self.pool.submit(self.block, info, index, False, ahead=True)
 
     def warm_block(self, info: ObjectInfo, index: int) -> int:
         """Puts one block on disk (not in memory); returns the bytes fetched, 0 if it was cached already."""
@@ -279,6 +318,11 @@ class ObjectReader:
         if info.size == 0:
             return 1.0
         return self.cached_bytes(info) / info.size
+
+
+def reads_budget_bytes(block_size: int, workers: int) -> int:
+    """Bytes the blocks of reads in progress may hold at once (see ObjectReader.reads)."""
+    return max(2, workers) * block_size
 
 
 def cached_bytes_in(cache: BlockCache, cache_id: str, size: int) -> int:
