@@ -35,11 +35,13 @@ from pffs.csi.metrics import PluginMetrics
 from pffs.csi.mounter import MounterTooOld, MounterUnavailable
 from pffs.csi.mounts import (
     bind_mount,
+    file_system_is_read_only,
     is_mount_process,
     mount_pid,
     mount_table,
     mounted_in_namespace_of,
     mounted_paths,
+    set_file_system_read_only,
     shares_mounts_with_host,
     shows_mount_of,
     stop_mount_process,
@@ -94,6 +96,7 @@ class VolumeManager:
         self.pods = Pods(api, config.node_id)
         self._told_down: set[int | None] = set()
         self._told_unseen: set[int] = set()  # live mount processes whose mount this plugin does not see
+        self._told_access: set[tuple[str, int | None]] = set()  # (staging path, errno) logged, not yet fixed
         self.state = NodeState(config.state_dir)
         self.locks = KeyedLocks()
         self._preflight = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="preflight")
@@ -161,6 +164,7 @@ class VolumeManager:
         with self.state.lock:
             self.state.records.staged[staging_path] = staged
             self.state.save()
+        self._match_host_access(staged)
         self._update_gauges()
         return staged
 
@@ -254,6 +258,8 @@ class VolumeManager:
         with self.state.lock:
             staged.targets[target_path] = Target(volume_id=volume_id, read_only=read_only, pod=pod)
             self.state.save()
+        if not read_only:
+            self._match_host_access(staged, strict=True)
         self._update_gauges()
 
     def publish_inline(
@@ -310,6 +316,8 @@ class VolumeManager:
                 staged.targets.pop(target_path, None)
                 self.state.save()
                 last_inline_target = staged.inline_key is not None and not staged.targets
+            if not last_inline_target:
+                self._match_host_access(staged)
         self._update_gauges()
         if last_inline_target:
             with self.locks.hold(f"inline:{staged.inline_key}", wait_s=30):
@@ -491,6 +499,7 @@ class VolumeManager:
             staged.pid = pid
             self.state.save()
         self._bind_targets(staged, lost_only=False)
+        self._match_host_access(staged)
         log.info(
             "mounted %s again at %s (pid %d) and bound it into %d target(s)",
             staged.attributes.get("source"),
@@ -501,6 +510,44 @@ class VolumeManager:
 
     def _rebind_lost_targets(self, staged: Staged) -> None:
         self._bind_targets(staged, lost_only=True)
+        self._match_host_access(staged)
+
+    def _match_host_access(self, staged: Staged, strict: bool = False) -> None:
+        """A read-write volume's file system is read-only (on the host, in every mount namespace) while no
+        pod on this node has it read-write: a volume that every pod here reads is read-only where its data
+        is, not only in the pods' binds. A read-write publish makes it writable (logged; the read-only
+        pods keep read-only binds), the unpublish of the last one read-only again. Going read-only fails
+        while a file is open for writing on it (EBUSY): retried each supervisor round. `strict`: a
+        failure to make it writable is the publish's error."""
+        if staged.read_only:
+            return  # mounted read-only from the start (pffs mount --read-only): nothing to switch
+        with self.state.lock:
+            writers = [target for target, info in staged.targets.items() if not info.read_only]
+        want_read_only = not writers
+        path = staged.staging_path
+        try:
+            if path not in mounted_paths() or file_system_is_read_only(path) == want_read_only:
+                return
+            set_file_system_read_only(path, want_read_only)
+        except OSError as exc:
+            if strict:
+                raise Abort(Code.INTERNAL, f"could not make the mount at {path} writable: {exc}") from None
+            if (path, exc.errno) not in self._told_access:  # once, not each round
+                self._told_access.add((path, exc.errno))
+                log.warning("could not make the mount at %s read-only: %s (retrying)", path, exc.strerror)
+            return
+        self._told_access = {told for told in self._told_access if told[0] != path}
+        source = staged.attributes.get("source")
+        if want_read_only:
+            log.info("%s at %s is read-only on this node now: no pod here has it read-write", source, path)
+        else:
+            log.info(
+                "%s at %s is read-write on this node now: %s has it read-write (pods that have it read-only "
+                "keep read-only binds)",
+                source,
+                path,
+                writers[0],
+            )
 
     def _bind_targets(self, staged: Staged, lost_only: bool) -> None:
         """Binds the staged mount into each recorded target (only those that do not show it, with

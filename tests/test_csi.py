@@ -431,6 +431,48 @@ def test_read_only_target_refuses_writes_and_read_write_target_uploads(
     assert_exact(target, dataset)
 
 
+@pytest.mark.timeout(120)
+def test_a_volume_every_pod_reads_is_read_only_on_the_host_until_one_writes(
+    plugin: Plugin, dataset: Dataset, raw_s3: s3fs.S3FileSystem, tmp_path: Path
+) -> None:
+    before = {key: sha256(raw_s3.cat(key)) for key in raw_s3.find(f"{dataset.bucket}/set")}
+    staging = staging_path(tmp_path, "pv-host")
+    reader, writer = target_path(tmp_path, "reader"), target_path(tmp_path, "writer")
+    plugin.stage("pv-host", staging, dataset.context, dataset.secrets)  # a read-write access mode
+
+    def host_refuses_writes() -> None:
+        for attempt in (
+            lambda: (staging / "host.bin").write_bytes(b"no"),
+            lambda: (staging / "small-0.bin").unlink(),
+            lambda: (staging / "hostdir").mkdir(),
+        ):
+            with pytest.raises(OSError) as caught:
+                attempt()
+            assert caught.value.errno == errno.EROFS, caught.value
+
+    host_refuses_writes()  # staged, no pod yet
+    plugin.publish("pv-host", staging, reader, readonly=True)
+    host_refuses_writes()  # every pod reads: the file system itself is read-only, not only the bind
+    assert_exact(reader, dataset)
+
+    plugin.publish("pv-host", staging, writer)  # one pod writes: writable, logged
+    (writer / "from-writer.bin").write_bytes(b"written")
+    assert raw_s3.cat(f"{dataset.bucket}/set/from-writer.bin") == b"written"
+    with pytest.raises(OSError) as caught:
+        (reader / "from-reader.bin").write_bytes(b"no")
+    assert caught.value.errno == errno.EROFS  # the reading pod's bind stays read-only
+    assert "is read-write on this node now" in plugin.log()
+
+    plugin.unpublish("pv-host", writer)  # the last writer leaves: read-only again
+    host_refuses_writes()
+    assert_exact(reader, dataset)
+    raw_s3.invalidate_cache()
+    after = {key: sha256(raw_s3.cat(key)) for key in raw_s3.find(f"{dataset.bucket}/set")}
+    assert after == {**before, f"{dataset.bucket}/set/from-writer.bin": sha256(b"written")}
+    plugin.unpublish("pv-host", reader)
+    plugin.unstage("pv-host", staging)
+
+
 # 3. Inline volumes
 
 
