@@ -73,6 +73,7 @@ class VolumeAttributes(BaseModel):
     block_size: Size | None = Field(None, alias="blockSize")
     dir_ttl: float | None = Field(None, alias="dirTTL", ge=0, le=86400)
     attr_ttl: float | None = Field(None, alias="attrTTL", ge=0, le=86400)
+    stale_if_error: float | None = Field(None, alias="staleIfError", ge=0, le=30 * 86400)
     backend_timeout: float | None = Field(None, alias="backendTimeout", gt=0, le=3600)
     read_only: bool = Field(False, alias="readOnly")
     prefetch_dirs: bool = Field(True, alias="prefetchDirs")
@@ -192,6 +193,8 @@ def cache_settings(attributes: VolumeAttributes, node_cache: CacheSettings, cach
         update["block_size"] = attributes.block_size
     if attributes.dir_ttl is not None:
         update["metadata_ttl"] = attributes.dir_ttl
+    if attributes.stale_if_error is not None:
+        update["stale_if_error"] = attributes.stale_if_error
     try:
         return CacheSettings(**{**node_cache.model_dump(), **update})
     except ValidationError as exc:

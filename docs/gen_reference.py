@@ -180,6 +180,8 @@ ATTRIBUTE_MEANINGS = {
     "blockSize": "The cache's block size (`pffs mount --block-size`).",
     "dirTTL": "Seconds a listing or stat from the backend is trusted (`--dir-ttl`).",
     "attrTTL": "Seconds the kernel trusts names and attributes (`--attr-ttl`).",
+    "staleIfError": "Seconds past `dirTTL` a stat or listing is still served while the backend cannot be "
+    "reached, so cached data reads through an outage (`--stale-if-error`; 0: fail instead).",
     "backendTimeout": "Seconds a hung backend may cost a read, retries included (`--backend-timeout`).",
     "readOnly": "A read-only mount (also when the PV, the pod's volume or every container says `readOnly`).",
     "prefetchDirs": "Directory prefetch of small files (`--no-prefetch-dirs` when false).",

@@ -913,6 +913,12 @@ MALFORMED: list[Case] = [
         "endpointUrl",
     ),
     (
+        "stage-negative-stale-if-error",
+        lambda s: _stage(s, volume_context=_ctx(s, staleIfError="-1")),
+        Code.INVALID_ARGUMENT,
+        "staleIfError",
+    ),
+    (
         "stage-bad-size",
         lambda s: _stage(s, volume_context=_ctx(s, blockSize="lots")),
         Code.INVALID_ARGUMENT,
@@ -1646,3 +1652,18 @@ def test_a_mount_is_judged_in_its_own_process_mount_namespace() -> None:
     assert mounted_in_namespace_of(os.getpid(), "/proc")
     assert not mounted_in_namespace_of(os.getpid(), "/proc/self/no-mount-here")
     assert mounted_in_namespace_of(2**22 + 1, "/anything"), "unknown: never a reason to stop a mount"
+
+
+def test_stale_if_error_from_the_volume_reaches_its_mount(tmp_path: Path) -> None:
+    from pffs.config import CacheSettings
+    from pffs.csi.attributes import Credentials, cache_settings, mount_options, parse_attributes
+
+    def options(context: dict[str, str]) -> float:
+        attributes = parse_attributes({"source": "s3://bucket/set", **context}, "volume attributes")
+        cache = cache_settings(attributes, CacheSettings(cache_dir=tmp_path), tmp_path)
+        built = mount_options(attributes, Credentials(), tmp_path / "m", cache, False, tmp_path / "log", 0)
+        return built.cache.stale_if_error
+
+    assert options({"staleIfError": "0"}) == 0  # an outage fails reads at once, as asked
+    assert options({"staleIfError": "3600"}) == 3600
+    assert options({}) == CacheSettings().stale_if_error  # the mount's own default: a day

@@ -46,6 +46,7 @@ VOLUME_ATTRIBUTES = {
     "blockSize",
     "dirTTL",
     "attrTTL",
+    "staleIfError",
     "readOnly",
     "prefetchDirs",
     "uid",
