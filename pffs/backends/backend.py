@@ -158,6 +158,7 @@ class Backend:
             extra_s = transfer_bytes / SLOWEST_TRANSFER_RATE
             result = self.retry.call(self._attempt(fn), self.url(path), extra_s, kind, self.requests)
             outcome = OK
+            self._shared.answered()
             return result
         except FileNotFoundError:
             outcome = NOT_FOUND  # an answer (a lookup of a name that is not there), not a failure

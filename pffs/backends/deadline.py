@@ -98,7 +98,8 @@ FAILURE_SHARED_S = 1.0
 class SharedCalls(Generic[T]):
     """One call per key at a time (a lookup of one name): callers who come while it is in flight wait for
     its answer, within its deadline, instead of starting their own; a failure to reach the backend
-    (TimeoutError, ConnectionError) is also the answer of those who come within FAILURE_SHARED_S after."""
+    (TimeoutError, ConnectionError) is also the answer of those who come within FAILURE_SHARED_S after,
+    unless the backend has answered another call since (`answered`)."""
 
     def __init__(self) -> None:
         self._pid = os.getpid()
@@ -136,6 +137,12 @@ class SharedCalls(Generic[T]):
                 del self._calls[key]
         future.set_result(result)
         return result
+
+    def answered(self) -> None:
+        """The backend answered a call: failures to reach it no longer stand for the callers after them."""
+        if self._failed:
+            with self._lock:
+                self._failed = {}
 
     def forget(self, matches: Callable[[Hashable], bool]) -> None:
         """Callers of the keys that `matches` start calls of their own from now on (a write changed what

@@ -69,7 +69,10 @@ class RetryPolicy:
 
     attempts: int | None = None
     base_delay_s: float = 0.1
-    max_delay_s: float = 5.0
+    # Capped at 2 s, a call keeps trying ~15 times over the default 30 s deadline: against a store that
+    # sheds half its requests (0.5^15) nearly every call is answered. Each pause is still long enough
+    # that a throttled fleet backs off (the throttled base, 0.5 s, doubles to the cap in two steps).
+    max_delay_s: float = 2.0
     timeout_s: float | None = None  # the deadline of one call, retries included (deadline.py); None: none
     endpoint: str | None = None  # the S3 endpoint given (--endpoint-url), named when it does not answer as S3
     throttled_delay_s: float = 0.5
