@@ -44,6 +44,7 @@ class DiskTier:
         self.stats = stats
         self._writes_disabled_until = 0.0
         self._warned = False
+        self.off = False  # its directory was deleted under this process (turn_off)
         existing = (self.directory / "blocks" / "cache.db").exists()
         bound = {} if keep_stored_bound and existing else {"size_limit": capacity_bytes}
         self._cache = BlockStore(
@@ -65,6 +66,8 @@ class DiskTier:
     ) -> Block | None:
         """The block (of `length` bytes, if given), or bytes [start, end) of it; None if it is not here
         (or was corrupt: dropped). A block still waiting for the disk writer is served from its queue."""
+        if self.off:
+            return None
         waiting = self.writer.pending(key)
         if waiting is not None and (length is None or len(waiting) == length):
             return memoryview(waiting)[start:end] if start or end is not None else waiting
@@ -80,10 +83,18 @@ class DiskTier:
             return None
 
     def contains(self, key: str) -> bool:
-        return self._cache.has_block(key)
+        return not self.off and self._cache.has_block(key)
+
+    def turn_off(self) -> None:
+        """Its directory was deleted under this process: its index names files that are gone, and what
+        it wrote now would be in no index once the process ends. No more reads or writes of it."""
+        self.off = True
+        self._writes_disabled_until = float("inf")
 
     def stored_keys(self, prefix: str) -> set[str]:
         """Keys stored (not just being written) that start with `prefix`; empty if the index is unreadable."""
+        if self.off:
+            return set()
         try:
             return self._cache.stored_keys(prefix)
         except sqlite3.Error as exc:

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 
 READY_TIMEOUT_S = 120.0
 DETACH_WAIT_S = 30.0  # for a mount asked to detach itself (pffs umount --lazy)
+PROCESSES_EXIT_S = 30.0  # for a mount's supervisor and helpers to exit after it (they hold cache files)
 MOUNT_HELP = """\
 Mounts SOURCE (s3://bucket/prefix, a local path, hdfs://..., any fsspec URL) at MOUNTPOINT and returns
 once the mount is ready; the mount keeps serving in the background until `pffs umount MOUNTPOINT` (or
@@ -273,6 +274,9 @@ def umount(args: argparse.Namespace) -> int:
         )
     if used_by:
         return detach_lazily(real, pid, describe(used_by))
+    from pffs.fuse.launch import processes_of_mount
+
+    processes = processes_of_mount(pid)  # known before it ends: its supervisor is its parent
     os.kill(pid, signal.SIGTERM)  # the mount uploads what is pending, then unmounts itself
     deadline = time.monotonic() + args.timeout
     while is_alive(pid) and time.monotonic() < deadline:
@@ -284,6 +288,17 @@ def umount(args: argparse.Namespace) -> int:
         )
     if mountpoint_state(path) in ("mounted", "stale"):
         force_unmount(path)
+    # Returns once nothing of the mount holds files of the cache's file system (its log, its cache): its
+    # supervisor writes the last record and exits just after it, helper processes with it.
+    deadline = time.monotonic() + min(args.timeout, PROCESSES_EXIT_S)
+    while (left := [p for p in processes if is_alive(p)]) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    if left:
+        raise TimeoutError(
+            f"unmounted {path}, but the mount's other processes ({', '.join(map(str, left))}: its "
+            f"supervisor or helpers) have not exited {PROCESSES_EXIT_S:.0f} s after it, and still hold "
+            f"files of its cache directory's file system; stop them with kill {' '.join(map(str, left))}"
+        )
     return EXIT_OK
 
 

@@ -9,6 +9,7 @@ mounted (PID: the serving process; the one started is its supervisor), or the re
 from __future__ import annotations
 
 import json
+import os
 import select
 import subprocess
 import sys
@@ -81,3 +82,31 @@ def start_mount_process(
         answer = f"the mount process did not answer within {ready_timeout_s:.0f} s (see {options.log_file})"
     code = child.wait()
     raise MountStartError(answer.removeprefix("error: "), code or 1)
+
+
+def processes_of_mount(pid: int) -> list[int]:
+    """The processes of the mount served by `pid`: itself, its supervisor (its parent, for a background
+    mount) and its own children (helper processes). All of them hold files of the cache directory's file
+    system (the log, the cache, staging), so an unmount is over only once all have exited."""
+    from pffs.processes import is_mount_process
+
+    found = [pid]
+    parent = _parent_of(pid)
+    if parent is not None and parent > 1 and is_mount_process(parent, supervisor_too=True):
+        found.append(parent)
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return found
+    for entry in entries:
+        if entry.isdigit() and int(entry) not in found and _parent_of(int(entry)) == pid:
+            found.append(int(entry))
+    return found
+
+
+def _parent_of(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None

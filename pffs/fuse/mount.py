@@ -19,6 +19,7 @@ import os
 import posixpath
 import signal
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO
@@ -48,6 +49,8 @@ from pffs.vfs.namespace import Namespace
 from pffs.vfs.staging import Staging
 
 log = logging.getLogger(__name__)
+
+CACHE_DIR_CHECK_S = 2.0  # how often the mount checks that its cache directory is still there
 
 # The kernel's read-ahead of the mount, raised after INIT (see _tune_kernel_after_init). 4 MiB, not 1 MiB:
 # the kernel takes a read longer than its read-ahead (an unaligned random 1 MiB read is 257 pages) for the
@@ -204,6 +207,8 @@ def _mount_and_serve(
             namespace.new_dirs.add(root)  # shown (empty) until a file is written: that makes the prefix
         operations = Operations(namespace, root, options)
         stack.callback(operations.close)
+        watch = CacheDirectoryWatch(options.cache.cache_dir, vfs, staging)
+        operations.cache_dir_check = watch.check
 
         pyfuse3.init(operations, str(options.mountpoint), fuse_options(options, posix))
         stack.callback(lambda: pyfuse3.close(unmount=not leave_dead))
@@ -215,7 +220,7 @@ def _mount_and_serve(
             record, public_url(options.source), options.mountpoint, options.log_file, supervisor
         )
         try:
-            signalled, detached = trio.run(_serve_until_unmounted, options.mountpoint)
+            signalled, detached = trio.run(_serve_until_unmounted, options.mountpoint, watch)
             # Still mounted after a signal: never stat it here (nobody answers now), read the table only.
             listed = not signalled and in_mount_table(options.mountpoint)
             ending = how_serving_ended(signalled, listed, options.mountpoint, detached)
@@ -272,7 +277,9 @@ def serving_failed(exc: BaseException, mountpoint: Path) -> Ending:
     )
 
 
-async def _serve_until_unmounted(mountpoint: Path) -> tuple[str | None, bool]:
+async def _serve_until_unmounted(
+    mountpoint: Path, watch: CacheDirectoryWatch | None = None
+) -> tuple[str | None, bool]:
     """Serves until pyfuse3.main returns; the name of the signal that ended it, if one did, and whether the
     mount detached itself on request (DETACH_SIGNAL) before the kernel ended it."""
     signalled: list[str] = []
@@ -281,9 +288,69 @@ async def _serve_until_unmounted(mountpoint: Path) -> tuple[str | None, bool]:
         nursery.start_soon(_terminate_on_signal, signalled)
         nursery.start_soon(_detach_on_signal, mountpoint, detached)
         nursery.start_soon(_tune_kernel_after_init, mountpoint)
+        if watch is not None:
+            nursery.start_soon(_watch_cache_directory, watch)
         await pyfuse3.main(min_tasks=4, max_tasks=64)
         nursery.cancel_scope.cancel()
     return (signalled[0] if signalled else None), bool(detached)
+
+
+class CacheDirectoryWatch:
+    """The cache directory deleted under the running mount (`rm -rf` of it, a cleanup script): said once in
+    the log, and the mount goes on. Its disk cache is off from then on (its index went with the folder;
+    blocks written now would be in no index once the mount ends): reads come from the memory cache and the
+    backend. The folder is made again with an empty staging area, so files written from then on are staged
+    and uploaded as before, statfs (df) answers, and the next mount starts a fresh cache there. Files being
+    written when it went are lost with it (their close fails)."""
+
+    def __init__(self, directory: Path, vfs: Vfs, staging: Staging) -> None:
+        self.directory = directory
+        self.vfs = vfs
+        self.staging = staging
+        self._lock = threading.Lock()
+        self._identity = _identity(directory)
+
+    def check(self) -> bool:
+        """True if the directory had vanished (now made again). Blocks on the disk: call from a thread."""
+        with self._lock:
+            if self._identity is None or _identity(self.directory) == self._identity:
+                return False
+            disk = self.vfs.cache.disk
+            if disk is not None:
+                disk.turn_off()
+            try:
+                self.staging.directory.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                log.error(
+                    "the cache directory %s was deleted under the mount, and cannot be made again (%s): "
+                    "reads go on from memory and the backend; writes fail",
+                    self.directory,
+                    exc,
+                )
+                self._identity = None  # said once
+                return True
+            self._identity = _identity(self.directory)
+        log.warning(
+            "the cache directory %s was deleted under the mount: made it again, empty; the disk cache is off "
+            "until the next mount (reads come from memory and the backend); files being written when it went "
+            "are lost, files written from now on are uploaded as before",
+            self.directory,
+        )
+        return True
+
+
+def _identity(directory: Path) -> tuple[int, int] | None:
+    try:
+        found = os.stat(directory)
+    except OSError:
+        return None
+    return found.st_dev, found.st_ino
+
+
+async def _watch_cache_directory(watch: CacheDirectoryWatch) -> None:
+    while True:
+        await trio.sleep(CACHE_DIR_CHECK_S)
+        await trio.to_thread.run_sync(watch.check)
 
 
 async def _detach_on_signal(mountpoint: Path, detached: list[bool]) -> None:

@@ -8,20 +8,29 @@ import re
 import subprocess
 from pathlib import Path
 
+DEAD_MOUNT_ERRNOS = (107, 103, 5)  # ENOTCONN, ECONNABORTED (just aborted), or EIO from some dead mounts
+
 
 def mountpoint_state(path: Path) -> str:
     """'missing', 'not-a-directory', 'stale' (a dead FUSE mount: ENOTCONN), 'mounted' or 'free'."""
     try:
         os.stat(path)
-        # A FUSE mount's root attributes may come from the kernel's cache (attr TTL) after its process
-        # died; statfs is never cached: it asks the mount, and a dead one answers ENOTCONN.
-        os.statvfs(path)
     except FileNotFoundError:
         return "missing"
     except OSError as exc:
-        if exc.errno in (107, 103, 5):  # ENOTCONN, ECONNABORTED (just aborted), or EIO from some dead mounts
+        if exc.errno in DEAD_MOUNT_ERRNOS:
             return "stale"
         raise
+    try:
+        # A FUSE mount's root attributes may come from the kernel's cache (attr TTL) after its process
+        # died; statfs is never cached: it asks the mount, and a dead one answers ENOTCONN.
+        os.statvfs(path)
+    except OSError as exc:
+        if exc.errno in DEAD_MOUNT_ERRNOS:
+            return "stale"
+        if not (os.path.ismount(path) or is_listed_mount(path)):
+            raise
+        return "mounted"  # a live mount that answered statfs with an error of its own
     if not os.path.isdir(path):
         return "not-a-directory"
     if os.path.ismount(path) or is_listed_mount(path):

@@ -134,6 +134,8 @@ class Operations(pyfuse3.Operations):
         self.prefetcher = (
             DirectoryPrefetcher(self.vfs.reader, self.ns.children) if options.prefetch_dirs else None
         )
+        # Makes the cache directory again if it was deleted under the mount (pffs.fuse.mount); True if so
+        self.cache_dir_check: Callable[[], bool] = lambda: False
 
     async def _backend(self, fn: Callable[..., T], *args: Any) -> T:
         return await self.backend_threads.run(fn, *args)
@@ -738,7 +740,12 @@ class Operations(pyfuse3.Operations):
         result.f_bsize = result.f_frsize = STATFS_BLOCK
         result.f_blocks = NOMINAL_CAPACITY // STATFS_BLOCK
         # What can be written now: the staging area's disk (the cache disk), really.
-        disk = os.statvfs(self.staging.directory)
+        try:
+            disk = os.statvfs(self.staging.directory)
+        except FileNotFoundError:  # the cache directory was deleted: made again, then asked again
+            if not await self._backend(self.cache_dir_check):
+                raise
+            disk = os.statvfs(self.staging.directory)
         result.f_bfree = result.f_bavail = disk.f_bavail * disk.f_frsize // STATFS_BLOCK
         result.f_files = result.f_ffree = result.f_favail = 1 << 32
         result.f_namemax = self.vfs.backend.NAME_MAX  # what a component may hold; whole keys are checked too

@@ -10,6 +10,14 @@ pffs.backends.posix_metadata), a LIST is not enough to show an entry of a folder
 stored, since it carries no metadata: such an entry is HEADed once (then trusted for the metadata TTL like
 any stat). The backend says which listed entries store none (S3: a folder without pffs's attributes
 marker), and those need no HEAD.
+
+A key `a` beside keys under `a/` (an object and a prefix of one name, which a folder tree cannot hold) is
+shown as the directory `a`; the object `a` is hidden while anything is stored under `a/` (Mountpoint for S3's
+rule: "directories shadow files"). Listings, lookups and stats all answer so. A lookup answered by a HEAD
+that finds an object asks once more whether `a/` holds keys (the cached listing of the parent answers that
+without a request; else one LIST of the prefix `a/`): a file looked up outside a listed folder costs that
+LIST more, for the first LIST_AFTER_HEADS files of a folder at most. The SDK reads
+keys, not a folder tree: it reads both `a` and `a/b`.
 """
 
 from __future__ import annotations
@@ -22,12 +30,16 @@ import threading
 import time
 
 from pffs.backends.backend import ObjectInfo
+from pffs.backends.deadline import timeout_left
 from pffs.backends.errors import ObjectChangedError
 from pffs.backends.posix_metadata import PosixAttributes
+from pffs.backends.request_stats import ERROR, OK
 from pffs.vfs.staging import STAGED_IDENTITY, StagedFile, Staging
+from pffs.vfs.stale import unreachable
 from pffs.vfs.vfs import Vfs
 
 LIST_AFTER_HEADS = 8  # lookups that missed the listing cache in one directory before it is listed
+PROBE_LIMIT_S = 60.0  # a LIST for keys under a name, where no deadline is set (--backend-timeout is nearer)
 
 
 class Unknown:
@@ -87,6 +99,13 @@ class Namespace:
 
     def _cached(self, path: str) -> ObjectInfo | None:
         info = self.vfs.metadata.get(path)
+        if info is not None and not info.is_dir:
+            # The object `a` as a HEAD or a listing left it; a cached listing of its folder that shows a
+            # directory there hides it.
+            listed = self._listed_names(posixpath.dirname(path))
+            shadow = listed.get(posixpath.basename(path)) if listed is not None else None
+            if shadow is not None and shadow.is_dir:
+                info = dataclasses.replace(shadow, path=path)
         return info if info is not None and self.complete(info) else None
 
     def stat_now(self, path: str) -> ObjectInfo | Unknown:
@@ -95,7 +114,62 @@ class Namespace:
     def stat(self, path: str) -> ObjectInfo:
         info = self.stat_now(path)
         # A cached entry that lacks its attributes (from a LIST) is asked for again: one HEAD.
-        return self.vfs.stat(path, fresh=self.posix) if isinstance(info, Unknown) else info
+        return self._from_backend(path) if isinstance(info, Unknown) else info
+
+    def _from_backend(self, path: str) -> ObjectInfo:
+        """The entry at `path` as the backend has it (one HEAD): an object there that a directory of the
+        same name hides is shown as that directory (see the module's doc)."""
+        info = self.vfs.stat(path, fresh=self.posix)
+        if info.is_dir or self.vfs.backend.has_real_directories:
+            return info
+        directory = self._directory_over(info)
+        if directory is None:
+            return info
+        self.vfs.metadata.put(directory)  # what the next stat of `path` finds
+        return directory
+
+    def _directory_over(self, info: ObjectInfo) -> ObjectInfo | None:
+        """The directory that hides the object `info` (keys are stored under `path/`), or None."""
+        path = info.path
+        listed = self._listed_names(posixpath.dirname(path))
+        if listed is not None:  # the folder's listing shows both: it says which wins, no request
+            found = listed.get(posixpath.basename(path))
+            if found is None or not found.is_dir:
+                return None
+            if self.complete(found):
+                return dataclasses.replace(found, path=path)
+        own = self.vfs.metadata.get_listing("dir", path) or []
+        if not self.posix and any(e.path.rstrip("/") != path for e in own):  # keys listed under it
+            return directory_info(path)
+        if self.vfs.outage.active:  # the backend cannot be reached: the object as last seen
+            return None
+        try:
+            if not self._keys_under(path):
+                return None
+        except Exception as exc:
+            if unreachable(exc):
+                return None
+            raise
+        if not self.posix:
+            return directory_info(path)
+        # Its attributes: on its marker `path/` where there is one (a HEAD; else the defaults)
+        marker = self.vfs.backend.stat(path + "/")
+        return dataclasses.replace(directory_info(path), posix=marker.posix or PosixAttributes())
+
+    def _keys_under(self, path: str) -> bool:
+        """Whether the store holds keys under `path/` (a marker `path/` counts): one LIST of the prefix
+        (more pages only where it holds more than 1,000 names), counted as a LIST. Not a HEAD of `a/`
+        first: SeaweedFS answers it with the object `a`."""
+        backend = self.vfs.backend
+        started, outcome = time.perf_counter(), ERROR
+        try:
+            found = backend.retry.call(
+                lambda: bool(backend.fs.isdir(path, timeout=timeout_left(PROBE_LIMIT_S))), backend.url(path)
+            )
+            outcome = OK
+            return found
+        finally:
+            backend.requests.record("list", time.perf_counter() - started, outcome)
 
     def lookup_now(self, parent: str, name: str) -> ObjectInfo | Unknown | None:
         path = self.join(parent, name)
@@ -123,7 +197,7 @@ class Namespace:
             if found is None or self.complete(found):
                 return found
         try:
-            return self.vfs.stat(path, fresh=self.posix)
+            return self._from_backend(path)
         except FileNotFoundError:
             self._remember_missing(path)
             return None
@@ -164,8 +238,11 @@ class Namespace:
         names: dict[str, ObjectInfo] = {}
         for info in entries:
             name = posixpath.basename(info.path.rstrip("/"))
-            if info.path.rstrip("/") != path and name:
-                names.setdefault(name, info)
+            if info.path.rstrip("/") == path or name in ("", ".", ".."):
+                continue  # the folder itself (a marker); names a folder tree cannot show
+            known = names.get(name)
+            if known is None or (info.is_dir and not known.is_dir):  # a directory hides a file
+                names[name] = info
         with self._lock:
             self._by_name[path] = (entries, names)
         return names
