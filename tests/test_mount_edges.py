@@ -5,6 +5,7 @@ cache's file system. Real FUSE mounts over the SeaweedFS S3 server, bytes checke
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 import signal
@@ -162,7 +163,12 @@ def test_a_cache_directory_deleted_under_the_mount_is_made_again_and_df_and_umou
     mount = s3_mount(s3_server, bucket, tmp_path)
     with mount:
         assert sha256((mount.path / "f0").read_bytes()) == sha256(files["f0"])  # on disk in the cache
+        fd = os.open(mount.path / "open-for-writing", os.O_WRONLY | os.O_CREAT, 0o644)
+        os.write(fd, b"staged in the directory deleted")
         delete(mount.cache_dir)
+        with pytest.raises(OSError) as lost:
+            os.close(fd)  # staged in the folder deleted: lost with it, and close says so
+        assert lost.value.errno == errno.EIO
         df = subprocess.run(["df", str(mount.path)], capture_output=True, text=True, timeout=60)
         assert df.returncode == 0, df.stderr
         assert (mount.cache_dir / "staging").is_dir()  # made again
