@@ -198,3 +198,132 @@ def test_everything_stalled_every_waiter_fails_by_the_deadline(
     assert sha256(fs.cat_file("data/cold.bin")) == sha256(cold)
     assert fs.info("other/new.bin")["size"] == 1
     assert proxy.counts["held"] > 0
+
+
+# The policy itself, without a server.
+
+
+class Failing:
+    """Fails with the errors given, in turn, then answers 'ok'."""
+
+    def __init__(self, *errors: BaseException) -> None:
+        self.errors, self.calls = list(errors), 0
+
+    def __call__(self) -> str:
+        self.calls += 1
+        if self.errors:
+            raise self.errors.pop(0)
+        return "ok"
+
+
+def slow_down() -> OSError:
+    from pffs.backends.s3_native import S3ServerError
+
+    return S3ServerError(errno.EIO, "HTTP 503 SlowDown: reduce your request rate", 503, "SlowDown")
+
+
+def test_retries_go_on_until_the_deadline_not_for_a_count(caplog: pytest.LogCaptureFixture) -> None:
+    from pffs.backends.request_stats import RequestStats
+    from pffs.backends.retry import RetryPolicy
+
+    policy = RetryPolicy(timeout_s=5.0, base_delay_s=0.001, throttled_delay_s=0.002, max_delay_s=0.01)
+    stats = RequestStats()
+    errors = [slow_down(), TimeoutError("timed out"), ConnectionResetError("reset")] * 5  # 15 failures
+    with caplog.at_level("INFO", logger="pffs.backends.retry"):
+        assert policy.call(Failing(*errors), "s3://b/k", kind="get", stats=stats) == "ok"
+    row = stats.snapshot()["get"]
+    assert (row["retries"], row["throttled"], row["timeouts"], row["resets"]) == (15, 5, 5, 5)
+    episodes = [r.getMessage() for r in caplog.records if "s3://b/k" in r.getMessage()]
+    assert episodes == ["s3://b/k: GET answered after 16 attempts in " + episodes[0].split(" in ")[1]]
+    assert "5 throttled" in episodes[0] and "5 timed out" in episodes[0] and "5 reset" in episodes[0]
+
+
+def test_a_call_that_never_succeeds_ends_at_its_deadline_with_one_line() -> None:
+    from pffs.backends import BackendUnavailableError
+    from pffs.backends.deadline import BackendTimeoutError
+    from pffs.backends.request_stats import RequestStats
+    from pffs.backends.retry import RetryPolicy
+
+    policy = RetryPolicy(timeout_s=1.0, base_delay_s=0.01, throttled_delay_s=0.05, max_delay_s=0.1)
+    stats = RequestStats()
+    started = time.monotonic()
+    throttled = Failing(*[slow_down() for _ in range(1000)])
+    with pytest.raises(BackendUnavailableError, match=r"s3://b/k: backend unavailable after \d+ attempts"):
+        policy.call(throttled, "s3://b/k", kind="head", stats=stats)
+    assert 0.7 < time.monotonic() - started < 1.5
+    assert throttled.calls > 4  # more than the old fixed count
+    assert stats.snapshot()["head"]["throttled"] == throttled.calls
+    with pytest.raises(BackendTimeoutError):  # no answer at all: ETIMEDOUT
+        policy.call(Failing(*[TimeoutError("timed out") for _ in range(1000)]), "s3://b/k")
+
+
+def test_throttling_is_answered_with_slower_retries() -> None:
+    from pffs.backends.retry import RetryPolicy
+
+    policy = RetryPolicy()
+    for attempt in range(3):
+        assert policy.delay(attempt, throttled=True) >= policy.throttled_delay_s * 2**attempt / 2
+        assert policy.delay(attempt) <= policy.base_delay_s * 2**attempt
+    assert max(policy.delay(n, throttled=True) for n in range(40)) <= policy.max_delay_s
+
+
+def test_the_per_attempt_timeout_is_a_share_of_the_deadline_with_a_floor() -> None:
+    from pffs.backends.deadline import attempt_timeout
+    from pffs.backends.options import BackendOptions
+    from pffs.backends.urls import _make_s3fs
+
+    assert attempt_timeout(30) == 6 and attempt_timeout(6) == 2 and attempt_timeout(1) == 1
+    fs = _make_s3fs(BackendOptions(endpoint_url="http://127.0.0.1:1", backend_timeout=30))
+    assert fs.config_kwargs["read_timeout"] == 6  # s3fs (botocore) as well as the native client
+
+
+def test_waiters_on_one_key_share_one_call_and_its_failure() -> None:
+    from pffs.backends.deadline import FAILURE_SHARED_S, SharedCalls
+
+    shared: SharedCalls[str] = SharedCalls()
+    calls = []
+    gate = threading.Event()
+
+    def hung() -> str:
+        calls.append(1)
+        gate.wait(5)
+        raise TimeoutError("no answer")
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(shared.run, "k", hung) for _ in range(4)]
+        time.sleep(0.2)
+        gate.set()
+        assert all(isinstance(f.exception(), TimeoutError) for f in futures)
+    assert len(calls) == 1  # one call for the four
+    with pytest.raises(TimeoutError):  # a caller right after: the same failure, no call of its own
+        shared.run("k", lambda: "ok")
+    assert len(calls) == 1
+    shared.answered()  # the backend answered something else: the next caller asks again
+    assert shared.run("k", lambda: "ok") == "ok"
+    assert FAILURE_SHARED_S <= 2
+
+
+def test_prometheus_has_the_retry_counters() -> None:
+    from prometheus_client.core import CollectorRegistry
+    from prometheus_client.exposition import generate_latest
+
+    from pffs.backends.request_stats import RequestStats
+    from pffs.fuse.metrics import MountCollector
+
+    stats = RequestStats()
+    stats.record_retries("get", 3, {"throttled": 2, "timeouts": 1})
+    report = {
+        "cache": {},
+        "cache_usage": {"memory_bytes": 0, "disk_bytes": 0},
+        "backend_requests": stats.snapshot(),
+        "uploads_pending": 0,
+        "uploads_done": 0,
+        "upload_failures": 0,
+        "open_files": 0,
+    }
+    registry = CollectorRegistry()
+    registry.register(MountCollector(lambda: report))
+    text = generate_latest(registry).decode()
+    assert 'pffs_backend_retries_total{kind="get"} 3.0' in text
+    assert 'pffs_backend_throttled_total{kind="get"} 2.0' in text
+    assert 'pffs_backend_timeouts_total{kind="get"} 1.0' in text
