@@ -87,6 +87,11 @@ def test_a_directory_hides_the_object_of_its_name_in_lookups_stats_and_listings(
         assert walked == ["a/b", "a/c/d", "plain", "s/t"]
         log = mount.log()
         assert "changed in the store" not in log and "a bug" not in log, log
+    # A mount of the prefix a/: the directory, not the object
+    env, where = env_for(s3_server), ("--endpoint-url", s3_server.endpoint_url)
+    with Mount(f"s3://{bucket}/a", tmp_path / "sub", tmp_path / "cache", env, *where, *mode) as mount:
+        assert sorted(os.listdir(mount.path)) == ["b", "c"]
+        assert sha256((mount.path / "b").read_bytes()) == sha256(files["a/b"])
     # The SDK reads keys, not a folder tree: both the object `a` and `a/b`
     sdk = pffs_fs(f"s3://{bucket}", tmp_path / "sdk-cache", **server_options(s3_server))
     assert sha256(sdk.cat_file("a")) == sha256(files["a"])

@@ -45,7 +45,7 @@ from pffs.fuse.operations import Operations
 from pffs.fuse.options import DETACH_SIGNAL, MountOptions
 from pffs.processes import public_url
 from pffs.vfs import Vfs
-from pffs.vfs.namespace import Namespace
+from pffs.vfs.namespace import Namespace, directory_info, keys_under
 from pffs.vfs.staging import Staging
 
 log = logging.getLogger(__name__)
@@ -181,7 +181,11 @@ def _mount_and_serve(
         else:
             root_is_new = False
             if not root_info.is_dir:
-                raise NotADirectoryError(20, f"{options.source} is an object, not a directory or prefix")
+                if backend.has_real_directories or not keys_under(backend, root):
+                    raise NotADirectoryError(20, f"{options.source} is an object, not a directory or prefix")
+                # an object beside keys under `root/`: the directory hides it (pffs.vfs.namespace)
+                root_info = directory_info(root)
+                vfs.metadata.put(root_info)
             if not vfs.outage.active:
                 vfs.keep(root_info)  # for a mount started while the backend is down
         if vfs.outage.active:  # the root as last seen (stale-if-error): a warm cache, the store down

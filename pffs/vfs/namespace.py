@@ -29,7 +29,7 @@ import stat
 import threading
 import time
 
-from pffs.backends.backend import ObjectInfo
+from pffs.backends.backend import Backend, ObjectInfo
 from pffs.backends.deadline import timeout_left
 from pffs.backends.errors import ObjectChangedError
 from pffs.backends.posix_metadata import PosixAttributes
@@ -47,6 +47,21 @@ class Unknown:
 
 
 UNKNOWN = Unknown()
+
+
+def keys_under(backend: Backend, path: str) -> bool:
+    """Whether the store holds keys under `path/` (a marker `path/` counts): one LIST of the prefix (more
+    pages only where it holds more than 1,000 names), counted as a LIST. Not a HEAD of `path/` first:
+    SeaweedFS answers it with the object `path`."""
+    started, outcome = time.perf_counter(), ERROR
+    try:
+        found = backend.retry.call(
+            lambda: bool(backend.fs.isdir(path, timeout=timeout_left(PROBE_LIMIT_S))), backend.url(path)
+        )
+        outcome = OK
+        return found
+    finally:
+        backend.requests.record("list", time.perf_counter() - started, outcome)
 
 
 def directory_info(path: str) -> ObjectInfo:
@@ -157,19 +172,7 @@ class Namespace:
         return dataclasses.replace(directory_info(path), posix=marker.posix or PosixAttributes())
 
     def _keys_under(self, path: str) -> bool:
-        """Whether the store holds keys under `path/` (a marker `path/` counts): one LIST of the prefix
-        (more pages only where it holds more than 1,000 names), counted as a LIST. Not a HEAD of `a/`
-        first: SeaweedFS answers it with the object `a`."""
-        backend = self.vfs.backend
-        started, outcome = time.perf_counter(), ERROR
-        try:
-            found = backend.retry.call(
-                lambda: bool(backend.fs.isdir(path, timeout=timeout_left(PROBE_LIMIT_S))), backend.url(path)
-            )
-            outcome = OK
-            return found
-        finally:
-            backend.requests.record("list", time.perf_counter() - started, outcome)
+        return keys_under(self.vfs.backend, path)
 
     def lookup_now(self, parent: str, name: str) -> ObjectInfo | Unknown | None:
         path = self.join(parent, name)
