@@ -278,6 +278,8 @@ class ObjectReader:
         for index in state.on_read(offset, end, last):
             if index >= self.block_count(info):
                 break
+            if index in state.pending:  # fetched ahead before a seek back: still held, still coming
+                continue
             start, stop = self.block_range(info, index)
             if not state.hold(index, stop - start):
                 # The budget is used up: the window shrinks to what it got; the rest is asked for again at
