@@ -3,10 +3,11 @@
 The leader may `publish` its result before it has finished (the cache publishes a fetched block before
 writing it to disk), so waiters need not wait for work that is not theirs.
 
-Waiters share the leader's deadline: they wait for its fetch, which ends within its deadline. A fetch that
-failed because the backend could not be reached (TimeoutError, ConnectionError) stays the answer for
-FAILURE_SHARED_S after: the kernel sends a page's read again when the read that covered it failed, and that
-read must not start a deadline of its own (every reader of a stalled block would then wait twice).
+Waiters share the leader's deadline: they wait for its fetch, which ends within its deadline. In a FUSE
+mount (share_failures), a fetch that failed because the backend could not be reached (TimeoutError,
+ConnectionError) stays the answer for a moment after, unless a fetch has succeeded since: the kernel
+sends a page's read again when the read that covered it failed, and that read must not start a deadline
+of its own (every reader of a stalled block would then wait one deadline after another).
 """
 
 from __future__ import annotations
@@ -18,7 +19,15 @@ from concurrent.futures import Future
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
-FAILURE_SHARED_S = 1.0  # as pffs.backends.deadline.FAILURE_SHARED_S: re-sent reads come within milliseconds
+_failures_shared_s = 0.0  # in force in this process (share_failures)
+
+
+def share_failures(seconds: float) -> None:
+    """A failed fetch answers the callers of its key who come within `seconds` after: set by a FUSE mount
+    (the kernel's re-sent reads come within milliseconds). Elsewhere (the SDK) concurrent callers share
+    the fetch in flight, and one who asks again after a failure gets a fetch of its own."""
+    global _failures_shared_s
+    _failures_shared_s = seconds
 
 
 class SingleFlight(Generic[T]):
@@ -38,15 +47,21 @@ class SingleFlight(Generic[T]):
         if not self._failed:
             return None
         failed = self._failed.get(key)
-        if failed is None or time.monotonic() - failed[0] >= FAILURE_SHARED_S:
+        if failed is None or time.monotonic() - failed[0] >= _failures_shared_s:
             return None
         return failed[1]
 
+    def _answered(self) -> None:
+        """A fetch succeeded: the backend answers, and failures to reach it no longer stand."""
+        if self._failed:
+            with self._lock:
+                self._failed = {}
+
     def _remember(self, key: str, future: Future[T], error: BaseException) -> None:
-        if isinstance(error, (TimeoutError, ConnectionError)):
+        if _failures_shared_s > 0 and isinstance(error, (TimeoutError, ConnectionError)):
             with self._lock:
                 now = time.monotonic()
-                self._failed = {k: v for k, v in self._failed.items() if now - v[0] < FAILURE_SHARED_S}
+                self._failed = {k: v for k, v in self._failed.items() if now - v[0] < _failures_shared_s}
                 self._failed[key] = (now, future)
 
     def claim(self, key: str) -> tuple[Future[T], bool]:
@@ -70,6 +85,7 @@ class SingleFlight(Generic[T]):
                 self._remember(key, future, error)
                 future.set_exception(error)
             else:
+                self._answered()
                 future.set_result(result)  # type: ignore[arg-type]
 
     def run(self, key: str, fn: Callable[[Callable[[T], None]], T]) -> T:
@@ -89,6 +105,7 @@ class SingleFlight(Generic[T]):
 
         def publish(result: T) -> None:
             forget()
+            self._answered()
             if not future.done():
                 future.set_result(result)
 

@@ -72,13 +72,14 @@ def timeout_left(default: float) -> float:
 
 
 # The per-attempt timeout. A healthy S3 server sends the first byte of an answer within a few hundred ms and
-# its body without pauses (a loaded one, this CI's SeaweedFS on 2 busy cores, pauses well under a second);
-# a wait for bytes longer than ATTEMPT_FLOOR_S is a stall (a frozen server, a connection dropped without a
-# reset), and the attempt is abandoned and retried. A fifth of the deadline (6 s of the default 30 s) leaves
-# room for at least four attempts against a server that stalls every one of them, and is long enough that
-# a slow but moving answer (bytes keep arriving) is never cut: it bounds each wait, not the transfer.
+# its body without pauses; a busy one takes longer (this CI's SeaweedFS, resumed after a SIGSTOP on 2 busy
+# cores, took 2-3 s to answer its first request: a 2 s floor cut it off where a 3 s wait had read). A
+# wait for bytes longer than ATTEMPT_FLOOR_S is taken for a stall (a frozen server, a connection dropped
+# without a reset): the attempt is abandoned and retried. A fifth of the deadline (6 s of the default 30 s)
+# leaves room for at least four attempts against a server that stalls every one of them, and a slow but
+# moving answer (bytes keep arriving) is never cut: it bounds each wait, not the transfer.
 ATTEMPT_SHARE = 0.2
-ATTEMPT_FLOOR_S = 2.0
+ATTEMPT_FLOOR_S = 5.0
 
 
 def attempt_timeout(deadline_s: float) -> float:
@@ -93,13 +94,23 @@ def attempt_timeout(deadline_s: float) -> float:
 # own, n waiters taking n deadlines. They are sent within milliseconds of the failure; a second covers a
 # busy machine, and a caller who retries later than that gets a call of its own.
 FAILURE_SHARED_S = 1.0
+_failures_shared_s = 0.0  # in force in this process: FAILURE_SHARED_S in a FUSE mount, else 0
+
+
+def share_failures(seconds: float = FAILURE_SHARED_S) -> None:
+    """Failures to reach the backend answer the callers of one key (SharedCalls) who come within `seconds`
+    after: set by a FUSE mount, where the kernel sends waiting lookups again one by one. Elsewhere (the
+    SDK) concurrent callers share the call in flight, and one who asks again after a failure (a retry of
+    its own) gets a call of its own."""
+    global _failures_shared_s
+    _failures_shared_s = seconds
 
 
 class SharedCalls(Generic[T]):
     """One call per key at a time (a lookup of one name): callers who come while it is in flight wait for
     its answer, within its deadline, instead of starting their own; a failure to reach the backend
-    (TimeoutError, ConnectionError) is also the answer of those who come within FAILURE_SHARED_S after,
-    unless the backend has answered another call since (`answered`)."""
+    (TimeoutError, ConnectionError) is also the answer of those who come within FAILURE_SHARED_S after
+    (in a FUSE mount: share_failures), unless the backend has answered another call since (`answered`)."""
 
     def __init__(self) -> None:
         self._pid = os.getpid()
@@ -112,7 +123,7 @@ class SharedCalls(Generic[T]):
             self.__init__()  # type: ignore[misc]
         with self._lock:
             failed = self._failed.get(key)
-            if failed is not None and time.monotonic() - failed[0] < FAILURE_SHARED_S:
+            if failed is not None and time.monotonic() - failed[0] < _failures_shared_s:
                 raise failed[1]
             future = self._calls.get(key)
             leader = future is None
@@ -126,9 +137,9 @@ class SharedCalls(Generic[T]):
             with self._lock:
                 if self._calls.get(key) is future:
                     del self._calls[key]
-                if isinstance(exc, (TimeoutError, ConnectionError)):
+                if _failures_shared_s > 0 and isinstance(exc, (TimeoutError, ConnectionError)):
                     now = time.monotonic()
-                    self._failed = {k: v for k, v in self._failed.items() if now - v[0] < FAILURE_SHARED_S}
+                    self._failed = {k: v for k, v in self._failed.items() if now - v[0] < _failures_shared_s}
                     self._failed[key] = (now, exc)
             future.set_exception(exc)
             raise

@@ -234,6 +234,11 @@ class NativeS3Getter:
         endpoint, connection, response = self._request("GET", bucket, key, query, headers)
         try:
             self._body(connection, response, into, etag, self.read_timeout)
+        except _ErrorAnswer as answer:
+            # An error answer read whole (a 503 SlowDown, a 404): the connection stays usable, and a retry
+            # after throttling does not also open a new connection.
+            self._keep_or_close(endpoint, connection, response)
+            raise answer.error from None
         except BaseException:
             connection.close()
             self._forget(endpoint)
@@ -536,7 +541,12 @@ class NativeS3Getter:
             body = response.early_body + _receive(connection.sock, wanted, read_timeout)
             if length > MAX_ERROR_BODY:
                 raise NotHandled("error answer too long")  # the connection is closed by the caller
-            _raise_for(response.status, body)
+            try:
+                _raise_for(response.status, body)
+            except OSError as exc:
+                if len(body) == length:  # read to its end: the next answer on this connection is in step
+                    raise _ErrorAnswer(exc) from None
+                raise
         if response.status == 200 and length != len(into):
             raise NotHandled("the server ignored the Range header")
         if length != len(into):
@@ -634,6 +644,14 @@ def _receive_chunked(sock: socket.socket, early: bytes, read_timeout: float, lim
         if len(body) > limit:
             raise NotHandled("answer too long")
         at = end + 2 + size + 2
+
+
+class _ErrorAnswer(Exception):
+    """An error answer read to its end (the connection can be kept): `error` is what to raise."""
+
+    def __init__(self, error: OSError) -> None:
+        super().__init__(str(error))
+        self.error = error
 
 
 class _EmptyAnswer(Exception):

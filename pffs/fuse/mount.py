@@ -28,7 +28,9 @@ import pyfuse3
 import trio
 
 from pffs.backends.backend import Backend
+from pffs.backends.deadline import FAILURE_SHARED_S, share_failures
 from pffs.backends.urls import open_backend
+from pffs.cache.single_flight import share_failures as share_block_failures
 from pffs.fuse import mount_record
 from pffs.fuse.ending import (
     DEAD_MOUNT_ADVICE,
@@ -169,6 +171,10 @@ def _mount_and_serve(
     notices: list[str] = []  # for the user at mount time (also logged): one line each
     with contextlib.ExitStack() as stack:
         backend, root = open_backend(options.source, options.backend)
+        # The kernel sends waiting lookups and page reads again, one by one, when the one it sent fails:
+        # they share its failure, and its deadline, rather than each starting a deadline of its own.
+        share_failures(FAILURE_SHARED_S)
+        share_block_failures(FAILURE_SHARED_S)
         # The kernel keeps what the mount serves in its page cache: the disk tier is read around it.
         vfs = Vfs(backend, options.cache.model_copy(update={"direct_io": True}))
         stack.callback(vfs.cache.close)
