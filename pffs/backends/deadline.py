@@ -72,12 +72,12 @@ def timeout_left(default: float) -> float:
 
 
 # The per-attempt timeout. A healthy S3 server sends the first byte of an answer within a few hundred ms and
-# its body without pauses; a busy one takes longer (this CI's SeaweedFS, resumed after a SIGSTOP on 2 busy
-# cores, took 2-3 s to answer its first request: a 2 s floor cut it off where a 3 s wait had read). A
-# wait for bytes longer than ATTEMPT_FLOOR_S is taken for a stall (a frozen server, a connection dropped
-# without a reset): the attempt is abandoned and retried. A fifth of the deadline (6 s of the default 30 s)
-# leaves room for at least four attempts against a server that stalls every one of them, and a slow but
-# moving answer (bytes keep arriving) is never cut: it bounds each wait, not the transfer.
+# its body without pauses; a busy one can pause for seconds (a Go server's garbage collection, a 2-core
+# machine under a CI run). A wait for bytes longer than ATTEMPT_FLOOR_S is taken for a stall (a frozen
+# server, a connection dropped without a reset): the attempt is abandoned and retried. A fifth of the
+# deadline (6 s of the default 30 s) leaves room for at least four attempts against a server that stalls
+# every one of them; under a short deadline the floor wins (a 6 s deadline: one wait of 5 s, then what is
+# left). A slow but moving answer (bytes keep arriving) is never cut: it bounds each wait, not the transfer.
 ATTEMPT_SHARE = 0.2
 ATTEMPT_FLOOR_S = 5.0
 
