@@ -17,15 +17,20 @@ from __future__ import annotations
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 from pffs.backends.backend import Backend, ObjectInfo
 from pffs.cache import Block, BlockCache
 from pffs.cache.aligned import aligned_buffer
+from pffs.cache.disk_tier import WRITE_BEHIND_BYTES
 from pffs.cache.fork import after_fork_in_child
 from pffs.peers.group import PeerGroup
 from pffs.vfs.byte_ranges import covered_bytes
 from pffs.vfs.pieces import PIECE_SIZE, PieceReader
 from pffs.vfs.readahead import ByteBudget, ReadAheadState
+
+if TYPE_CHECKING:
+    from pffs.config import CacheSettings
 
 
 class ObjectReader:
@@ -96,6 +101,29 @@ class ObjectReader:
         (counted as a prefetch, see BlockCache.get)."""
         start, end = self.block_range(info, index)
         key = self.key(info, index)
+        if ahead and keep_in_memory:
+            # A file fetched ahead for the memory tier (a directory's next small files, see dir_prefetch):
+            # in flight, it takes room in the read-ahead budget, and is skipped if there is none (it is a
+            # guess; this runs on a fetch thread, which must never wait for a budget).
+            if not self.budget.try_acquire(end - start):
+                return b""
+            try:
+                return self._get(info, index, start, end, key, keep_in_memory, ask_peers, ahead)
+            finally:
+                self.budget.release(end - start)
+        return self._get(info, index, start, end, key, keep_in_memory, ask_peers, ahead)
+
+    def _get(
+        self,
+        info: ObjectInfo,
+        index: int,
+        start: int,
+        end: int,
+        key: str,
+        keep_in_memory: bool,
+        ask_peers: bool,
+        ahead: bool,
+    ) -> Block:
         return self.cache.get(
             key,
             lambda: self._fetch(info, start, end, key if ask_peers else None),
@@ -325,6 +353,28 @@ class ObjectReader:
 def reads_budget_bytes(block_size: int, workers: int) -> int:
     """Bytes the blocks of reads in progress may hold at once (see ObjectReader.reads)."""
     return max(2, workers) * block_size
+
+
+# What a mount process holds besides the budgets of memory_bound: the interpreter, libraries, pyfuse3, the
+# clients and the threads (82-86 MiB of resident memory in an idle mount), memory freed that malloc keeps
+# for reuse, and per-file state (handles, listings). Chosen so the bound at the default options is
+# --memory-cache-size plus 320 MiB (pffs.fuse.mount.MEMORY_OVERHEAD_BYTES, docs/operations.md).
+FIXED_BYTES = 124 << 20
+
+
+def memory_bound(settings: CacheSettings, fixed_bytes: int = FIXED_BYTES) -> int:
+    """The most memory a mount with these settings uses, whatever the number of readers (docs/guides/
+    memory.md): the memory tier, the read-ahead budget, the reads budget, the disk tier's write-behind
+    queue (and the one block that may join it past its bound), and `fixed_bytes`. For the SDK, pffs's
+    share of its process is the same less the interpreter's part of `fixed_bytes`."""
+    return (
+        settings.memory_cache_size
+        + settings.readahead_size
+        + reads_budget_bytes(settings.block_size, settings.fetch_workers)
+        + WRITE_BEHIND_BYTES
+        + settings.block_size
+        + fixed_bytes
+    )
 
 
 def cached_bytes_in(cache: BlockCache, cache_id: str, size: int) -> int:
