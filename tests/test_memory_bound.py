@@ -16,17 +16,20 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import s3fs
+from helpers import pffs_fs
 from mounts import PFFS, Mount
 from test_mount import env_for, new_bucket
 
 from pffs.config import CacheSettings
 from pffs.testing.s3_server import SeaweedS3
+from pffs.vfs.readahead import ByteBudget, ReadAheadState
 from pffs.vfs.reader import memory_bound
 
 SIZE = 2 << 30
@@ -205,3 +208,83 @@ def test_sixteen_readers_of_a_2_gib_file_in_a_cgroup_at_the_documented_bound(
         assert cgroup.oom_kills() == 0, f"{report}\n{mount.log()}"
         assert os.path.ismount(mount.path) and mount.pid in cgroup.pids(), f"{report}\n{mount.log()}"
         print(report)
+
+
+# In process: the budgets themselves, over local files (fast; no server).
+
+
+def watch_budgets(reader: Any, stop: threading.Event, seen: dict[str, int]) -> None:
+    """Records the most bytes each budget of `reader` held, sampling until `stop`."""
+    while not stop.is_set():
+        seen["ahead"] = max(seen["ahead"], reader.budget.in_use)
+        seen["reads"] = max(seen["reads"], reader.reads.in_use)
+        time.sleep(0.0005)
+
+
+def test_sixteen_readers_share_the_read_ahead_and_reads_budgets_and_give_them_back(tmp_path: Path) -> None:
+    block = 256 << 10
+    data = pattern_chunk(0, 48 * block + 1234)
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "large.bin").write_bytes(data)
+    fs = pffs_fs(
+        str(tmp_path / "src"), tmp_path / "cache", readahead_size=str(8 * block), memory_cache_size="1M"
+    )
+    reader = fs.vfs.reader
+    assert reader.budget.limit_bytes == 8 * block and reader.reads.limit_bytes == 16 * block
+    stop, seen = threading.Event(), {"ahead": 0, "reads": 0}
+    watcher = threading.Thread(target=watch_budgets, args=(reader, stop, seen))
+    watcher.start()
+    wrong: list[int] = []
+
+    def read(n: int) -> None:
+        handle = fs.vfs.open(fs._full("large.bin"))
+        try:
+            start = n * len(data) // 16 // 4096 * 4096
+            got = bytearray()
+            for begin, end in ((start, len(data)), (0, start)):
+                position = begin
+                while position < end:
+                    part = handle.read(position, min(64 << 10, end - position))
+                    got += part
+                    position += len(part)
+            if bytes(got) != data[start:] + data[:start]:
+                wrong.append(n)
+            # A seek back into blocks fetched ahead, then a large read (more blocks than one read may hold).
+            assert handle.read(len(data) // 2, 4096) == data[len(data) // 2 : len(data) // 2 + 4096]
+            assert handle.read(0, -1) == data
+        finally:
+            handle.close()
+
+    try:
+        threads = [threading.Thread(target=read, args=(n,)) for n in range(16)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        stop.set()
+        watcher.join()
+    assert not wrong
+    assert 0 < seen["ahead"] <= 8 * block and 0 < seen["reads"] <= 16 * block, seen
+    deadline = time.monotonic() + 30  # fetches cancelled at close end on the fetch threads
+    while reader.budget.in_use and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert reader.budget.in_use == 0 and reader.reads.in_use == 0
+
+
+def test_read_ahead_shrinks_to_the_budget_and_asks_again_when_it_has_room() -> None:
+    budget = ByteBudget(4 << 20)
+    state = ReadAheadState(16, slack_bytes=1 << 20, budget=budget)
+    assert all(state.hold(i, 1 << 20) for i in range(4))
+    assert not state.hold(4, 1 << 20)  # used up: no allocation past it
+    other = ReadAheadState(16, budget=budget)
+    assert not other.hold(0, 1 << 20)
+    state.pending = {i: Future() for i in range(4)}
+    for future in state.pending.values():
+        future.set_result(b"")
+    state.take(2, 2)  # the reader moved past blocks 0 and 1: their budget comes back
+    assert budget.in_use == 2 << 20
+    assert other.hold(0, 1 << 20)  # its share (half, two readers holding): one block more, not two
+    assert not state.hold(4, 1 << 20)
+    state.close()
+    assert budget.in_use == 1 << 20
