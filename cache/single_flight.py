@@ -3,11 +3,12 @@
 The leader may `publish` its result before it has finished (the cache publishes a fetched block before
 writing it to disk), so waiters need not wait for work that is not theirs.
 
-Waiters share the leader's deadline: they wait for its fetch, which ends within its deadline. In a FUSE
-mount (share_failures), a fetch that failed because the backend could not be reached (TimeoutError,
-ConnectionError) stays the answer for a moment after, unless a fetch has succeeded since: the kernel
-sends a page's read again when the read that covered it failed, and that read must not start a deadline
-of its own (every reader of a stalled block would then wait one deadline after another).
+Waiters share the leader's deadline: they wait for its fetch, which ends within its deadline. A fetch that
+failed because the backend could not be reached (TimeoutError, ConnectionError) stays the answer for a
+moment after (FAILURE_SHARED_S), unless a fetch has succeeded since, for callers on other threads (in a
+FUSE mount, on every thread: share_failures): waiters that were held elsewhere (the kernel re-sends a
+page's read when the read that covered it failed; the SDK's readers wait for room in the read budget)
+must not each start a deadline of their own, one after another.
 """
 
 from __future__ import annotations
@@ -19,22 +20,28 @@ from concurrent.futures import Future
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
-_failures_shared_s = 0.0  # in force in this process (share_failures)
+FAILURE_SHARED_S = 1.0  # waiters released by a failure ask again within milliseconds
+_failures_shared_s = FAILURE_SHARED_S
+_with_every_thread = False  # a FUSE mount's (share_failures)
 
 
 def share_failures(seconds: float) -> None:
-    """A failed fetch answers the callers of its key who come within `seconds` after: set by a FUSE mount
-    (the kernel's re-sent reads come within milliseconds). Elsewhere (the SDK) concurrent callers share
-    the fetch in flight, and one who asks again after a failure gets a fetch of its own."""
-    global _failures_shared_s
+    """A failed fetch answers every caller of its key who comes within `seconds` after, the thread that
+    met it too: set by a FUSE mount, whose reads run on any of its threads (the kernel's re-sent read
+    may come to the thread that led the failed fetch). Elsewhere (the SDK) the thread that met a failure
+    gets a fetch of its own when it asks again (its caller's retry), and other threads share it: readers
+    of one object wait for room in the read budget one after the other, then ask for the same block."""
+    global _failures_shared_s, _with_every_thread
     _failures_shared_s = seconds
+    _with_every_thread = True
 
 
 class SingleFlight(Generic[T]):
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._in_flight: dict[str, Future[T]] = {}
-        self._failed: dict[str, tuple[float, Future[T]]] = {}  # key -> (when, its failed fetch)
+        # key -> (when, its failed fetch, the threads that met the failure)
+        self._failed: dict[str, tuple[float, Future[T], set[int]]] = {}
 
     def reset_after_fork(self) -> None:
         # Fetches in flight belonged to threads that do not exist in the child.
@@ -49,6 +56,10 @@ class SingleFlight(Generic[T]):
         failed = self._failed.get(key)
         if failed is None or time.monotonic() - failed[0] >= _failures_shared_s:
             return None
+        me = threading.get_ident()
+        if me in failed[2] and not _with_every_thread:
+            return None  # the thread that met it, asking again: a fetch of its own
+        failed[2].add(me)
         return failed[1]
 
     def _answered(self) -> None:
@@ -62,7 +73,7 @@ class SingleFlight(Generic[T]):
             with self._lock:
                 now = time.monotonic()
                 self._failed = {k: v for k, v in self._failed.items() if now - v[0] < _failures_shared_s}
-                self._failed[key] = (now, future)
+                self._failed[key] = (now, future, {threading.get_ident()})
 
     def claim(self, key: str) -> tuple[Future[T], bool]:
         """The future of `key`'s fetch, and whether the caller leads it (then it must `settle` it)."""

@@ -41,7 +41,7 @@ PERMANENT_ERRNOS = {errno.EINVAL, errno.ENOENT, errno.EACCES, errno.EPERM, errno
 TEMPORARY_ERROR_CODES = {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "InternalError"}
 
 
-# Answers that say "slow down": retried after longer pauses (THROTTLED_DELAY_S, as the AWS SDKs' 500 ms
+# Answers that say "slow down": retried after longer pauses (throttled_delay_s, as the AWS SDKs' 500 ms
 # throttled base against their 100 ms), so many clients throttled at once back off rather than pile on.
 THROTTLING_CODES = {
     "SlowDown",
@@ -139,10 +139,12 @@ class Episode:
     failures: dict[str, int] = field(default_factory=dict)  # cause -> failed attempts
 
     def end(self, stats: RequestStats | None, error: BaseException | None) -> None:
+        if not self.failures:
+            return
+        if stats is not None:  # a call that failed at its first attempt too (a timeout that took it all)
+            stats.record_retries(self.kind, self.attempts - 1, self.failures)
         if self.attempts <= 1:
             return
-        if stats is not None:
-            stats.record_retries(self.kind, self.attempts - 1, self.failures)
         what = self.kind.upper() or "call"
         seconds = time.monotonic() - self.started
         causes = ", ".join(f"{n} {CAUSE_WORDS[cause]}" for cause, n in sorted(self.failures.items()))
