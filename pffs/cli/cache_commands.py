@@ -20,7 +20,8 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
         "run asked; prefetch hits: fetched ahead, then served from the cache; misses: fetched while the "
         "reader waited) and evictions, added up over every process that read through this cache directory "
         "since it was made or cleared. With MOUNTPOINT: that mount's own counters, its backend requests "
-        "with latency percentiles, and its pending uploads.",
+        "with latency percentiles and their retries (throttled, timed out, reset, 5xx), and its pending "
+        "uploads.",
     )
     p.add_argument("mountpoint", metavar="MOUNTPOINT", nargs="?", help="a pffs mount")
     p.add_argument("--json", action="store_true", help="print JSON for machines")
