@@ -12,12 +12,12 @@ any stat). The backend says which listed entries store none (S3: a folder withou
 marker), and those need no HEAD.
 
 A key `a` beside keys under `a/` (an object and a prefix of one name, which a folder tree cannot hold) is
-shown as the directory `a`; the object `a` is hidden while anything is stored under `a/` (Mountpoint for S3's
-rule: "directories shadow files"). Listings, lookups and stats all answer so. A lookup answered by a HEAD
-that finds an object asks once more whether `a/` holds keys (the cached listing of the parent answers that
-without a request; else one LIST of the prefix `a/`): a file looked up outside a listed folder costs that
-LIST more, for the first LIST_AFTER_HEADS files of a folder at most. The SDK reads
-keys, not a folder tree: it reads both `a` and `a/b`.
+shown as the directory `a`; the object `a` is hidden while anything is stored under `a/` (Mountpoint for
+S3's rule: "directories shadow files"). Listings, lookups and stats all answer so. A lookup answered by a
+HEAD that finds an object asks once more whether `a/` holds keys: the cached listing of the parent answers
+that without a request, else one LIST of the prefix `a/`. So a file looked up outside a listed folder costs
+a HEAD and a LIST: the first LIST_AFTER_HEADS files of a folder per metadata TTL (every lookup with a TTL of
+0). The SDK reads keys, not a folder tree: it reads both `a` and `a/b`.
 """
 
 from __future__ import annotations
