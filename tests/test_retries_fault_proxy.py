@@ -87,6 +87,7 @@ def test_half_throttled_a_tenth_stalled_every_read_is_exact_and_counted(
     for name, body in objects.items():
         assert sha256(got[name]) == sha256(body), name  # type: ignore[arg-type]
     sdk = totals(fs.vfs.backend.requests.snapshot())
+    print(f"SDK: {len(objects)} objects read exactly; {sdk}; proxy {proxy.counts}")  # shown with -s
     assert sdk["retries"] > 0 and sdk["throttled"] > 0 and sdk["errors"] == 0, sdk
     sdk_stalls = proxy.counts["stalled"]
 
@@ -99,6 +100,7 @@ def test_half_throttled_a_tenth_stalled_every_read_is_exact_and_counted(
         for name, body in objects.items():
             assert sha256(got[name]) == sha256(body), name  # type: ignore[arg-type]
         counted = totals(mount.stats()["backend_requests"])
+        print(f"mount: {len(objects)} objects read exactly; {counted}; proxy {proxy.counts}")
         assert counted["retries"] > 0 and counted["throttled"] > 0, counted
         # `pffs stats` shows them, as JSON and as text
         shown = pffs("stats", str(mount.path), "--json", env=mount.env)
