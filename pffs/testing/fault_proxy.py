@@ -17,6 +17,7 @@ import contextlib
 import random
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from urllib.parse import urlsplit
@@ -46,6 +47,7 @@ class FaultProxy:
         self._lock = threading.Lock()
         self.counts = {"requests": 0, "forwarded": 0, "throttled": 0, "stalled": 0, "held": 0}
         self._released = threading.Event()  # set: stalled answers and held requests end
+        self._stall_until = 0.0  # held requests are dropped at this time.monotonic() (stall_everything)
         self._closed = False
         self._sockets: set[socket.socket] = set()
         self._listener = socket.create_server(("127.0.0.1", 0))
@@ -64,11 +66,13 @@ class FaultProxy:
                 self.faults.stall = stall
 
     @contextlib.contextmanager
-    def stall_everything(self) -> Iterator[None]:
-        """Every request meanwhile is held without an answer; on leaving, they are dropped (closed)."""
+    def stall_everything(self, seconds: float = 3600.0) -> Iterator[None]:
+        """Every request meanwhile is held without an answer, for at most `seconds` from now (then its
+        connection is closed, as a gateway that gave up would); on leaving, those still held are dropped."""
         with self._lock:
             self.faults.stall_all = True
             self._released.clear()
+            self._stall_until = time.monotonic() + seconds
         try:
             yield
         finally:
@@ -144,7 +148,7 @@ class FaultProxy:
                 if hold:
                     with self._lock:
                         self.counts["held"] += 1
-                    released.wait()
+                    released.wait(max(0.0, self._stall_until - time.monotonic()))
                     return  # the connection is closed: the client sees it end without an answer
                 if throttle:
                     with self._lock:
