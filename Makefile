@@ -10,9 +10,16 @@ setup-demo:
 demo: setup-demo
 	.venv/bin/python -m pffs.demo
 
+# The native core's Rust (native/): rustup's cargo, and the target folder scripts/setup.sh builds in.
+CARGO ?= $(shell command -v cargo 2>/dev/null || echo $(HOME)/.cargo/bin/cargo)
+export CARGO_TARGET_DIR ?= $(HOME)/.cache/pffs-tools/cargo-target
+
 lint: setup
 	.venv/bin/ruff check .
 	.venv/bin/ruff format --check .
+	cd native && $(CARGO) fmt --check
+	cd native && $(CARGO) clippy --locked --all-targets -q -- -D warnings
+	cd native && $(CARGO) test --locked -q -p pffs-core
 
 typecheck: setup
 	@bash scripts/typecheck.sh

@@ -24,13 +24,19 @@ import os
 import struct
 import threading
 
-import xxhash
-
 from .aligned import aligned_buffer
+
+try:
+    from pffs import _core
+except ImportError as exc:  # a checkout whose native core was never built (or built for another Python)
+    raise ImportError(
+        f"pffs's native core (pffs._core) is not built: {exc}. Build it with `make setup` or `pip install .` "
+        "(both need Rust's cargo, from rustup, on PATH)"
+    ) from exc
 
 MAGIC = b"PFB3"
 FIXED = struct.Struct("<4sQI")  # magic, payload length, segment count
-DIGEST = struct.Struct("<Q")  # xxh3-64 of one segment
+DIGEST = struct.Struct("<Q")  # xxh3-64 of one segment (pffs._core: native, the GIL released)
 SEGMENT = 32 << 10
 HEADER_ALIGN = 4096
 FIRST_READ = 8192  # one pread gets the header of any block up to 32 MiB
@@ -52,7 +58,7 @@ def header_size(length: int) -> int:
 def block_header(payload: bytes | memoryview) -> bytes:
     view = memoryview(payload).cast("B")
     count = _segments(len(view))
-    digests = [xxhash.xxh3_64_intdigest(view[i * SEGMENT : (i + 1) * SEGMENT]) for i in range(count)]
+    digests = _core.xxh3_64_segments(view, SEGMENT)
     header = FIXED.pack(MAGIC, len(view), count) + struct.pack(f"<{count}Q", *digests)
     return header.ljust(header_size(len(view)), b"\0")
 
@@ -76,9 +82,9 @@ def parse_header(header: bytes) -> tuple[int, list[int]]:
 def check_segments(digests: list[int], first: int, data: bytes | memoryview) -> None:
     """Checks `data`, which holds whole segments from segment number `first` on."""
     view = memoryview(data).cast("B")
-    for i in range(_segments(len(view))):
-        if xxhash.xxh3_64_intdigest(view[i * SEGMENT : (i + 1) * SEGMENT]) != digests[first + i]:
-            raise CorruptBlockError("block checksum mismatch")
+    got = _core.xxh3_64_segments(view, SEGMENT)
+    if got != digests[first : first + len(got)]:
+        raise CorruptBlockError("block checksum mismatch")
 
 
 def check_block(header: bytes, payload: bytes | memoryview) -> None:

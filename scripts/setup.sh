@@ -36,6 +36,23 @@ if [ ! -x .venv/bin/python ]; then
     "$PYTHON" -m venv .venv
 fi
 
+# The native core (native/: Rust, built into pffs._core by setuptools-rust whenever pffs is installed)
+# needs rustup's cargo (Rust 1.85 or later; Debian's rustc is too old). Its build is cached in one target
+# folder outside the repository, shared by every checkout and CI's clean clones: a rebuild compiles only
+# pffs's two crates (setup.py says why that is safe across checkouts).
+if ! command -v cargo >/dev/null && [ -x "$HOME/.cargo/bin/cargo" ]; then
+    export PATH="$HOME/.cargo/bin:$PATH"
+fi
+if ! command -v cargo >/dev/null; then
+    echo "setup: Rust's cargo is needed to build pffs's native core (native/): install rustup's toolchain" >&2
+    exit 1
+fi
+export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/pffs-tools/cargo-target}"
+# What the native module is built from: a change rebuilds it (below) without the whole pip step.
+native_src() {
+    { find native -path native/target -prune -o -type f -print; echo setup.py; } | LC_ALL=C sort | xargs cat | sha256sum
+}
+
 # The dev extra holds the demo's; a stamp per extra says what is installed at these files' versions.
 want=$(cat pyproject.toml constraints.txt | sha256sum | cut -d' ' -f1)
 installed() { [ -f ".venv/.pffs-installed-$1" ] && [ "$(cat ".venv/.pffs-installed-$1")" = "$want" ]; }
@@ -45,6 +62,13 @@ if ! installed dev && ! installed "$extra"; then
     .venv/bin/python -m pip install -q --upgrade pip
     .venv/bin/python -m pip install -q -c constraints.txt -e ".[$extra]"
     echo "$want" > ".venv/.pffs-installed-$extra"
+    native_src > .venv/.pffs-native
+fi
+# The editable install built pffs._core into pffs/; rebuild it when native/ changed or it is missing.
+if [ "$(native_src)" != "$(cat .venv/.pffs-native 2>/dev/null)" ] || ! compgen -G "pffs/_core.*so" >/dev/null; then
+    echo "setup: building pffs's native core (native/) with cargo into $CARGO_TARGET_DIR"
+    .venv/bin/python -m pip install -q --no-deps -e .
+    native_src > .venv/.pffs-native
 fi
 if [ "$PART" = demo ]; then
     exit 0

@@ -234,7 +234,8 @@ def pffs_entries(source: Path, site_packages: str) -> list[Entry]:
     for package in setup["packages"]:
         folder = _package_folder(source, package, package_dir)
         target = f"{site_packages}/{package.replace('.', '/')}"
-        for module in sorted(folder.glob("*.py")):
+        # *.so: the native core (pffs._core) as this checkout built it (scripts/setup.sh)
+        for module in sorted([*folder.glob("*.py"), *folder.glob("*.so")]):
             files[f"{target}/{module.name}"] = (module.read_bytes(), 0o644)
     dist_info = f"{site_packages}/{name}-{version}.dist-info"
     entry_points = {"console_scripts": meta.get("scripts", {}), **meta.get("entry-points", {})}
