@@ -273,6 +273,22 @@ def test_a_call_that_never_succeeds_ends_at_its_deadline_with_one_line() -> None
         policy.call(Failing(*[TimeoutError("timed out") for _ in range(1000)]), "s3://b/k")
 
 
+def test_a_store_that_refuses_connections_fails_in_a_few_attempts_not_at_the_deadline() -> None:
+    from pffs.backends import BackendUnavailableError
+    from pffs.backends.retry import REFUSED_ATTEMPTS, RetryPolicy
+
+    policy = RetryPolicy(timeout_s=30.0, base_delay_s=0.001, max_delay_s=0.01)
+    refused = Failing(*[ConnectionRefusedError(errno.ECONNREFUSED, "Connection refused") for _ in range(100)])
+    with pytest.raises(
+        BackendUnavailableError, match=f"after {REFUSED_ATTEMPTS} attempts: Connection refused"
+    ):
+        policy.call(refused, "s3://b/k")
+    assert refused.calls == REFUSED_ATTEMPTS
+    # Refusals between other failures do not end it: only a store that keeps refusing is down.
+    mixed = Failing(*[ConnectionRefusedError(errno.ECONNREFUSED, "refused"), slow_down()] * 5)
+    assert policy.call(mixed, "s3://b/k") == "ok" and mixed.calls == 11
+
+
 def test_throttling_is_answered_with_slower_retries() -> None:
     from pffs.backends.retry import RetryPolicy
 
