@@ -102,6 +102,10 @@ class DiskWriter:
                     self._cond.wait(LINGER_S)
                 batch = [self._queue.popleft() for _ in range(min(MAX_BATCH, len(self._queue)))]
                 self._busy = True
+                # A submitter waits for the queue to empty, not for this batch's write: wake it now (it
+                # waited for the whole write of a slow disk, and a block fetched meanwhile then skipped
+                # the wait the queue's bound is for).
+                self._cond.notify_all()
             written = False
             try:
                 written = self._write_batch([(key, data) for key, data, _, _ in batch])
