@@ -69,19 +69,25 @@ def read_all(paths: dict[str, Callable[[], bytes]]) -> dict[str, bytes | BaseExc
         return dict(zip(paths, pool.map(one, paths.values()), strict=True))
 
 
+def sdk_through(proxy: FaultProxy, s3_server: SeaweedS3, bucket: str, tmp_path: Path, **options: Any) -> Any:
+    """A pffs filesystem of the bucket reached through the proxy, its cache under tmp_path."""
+    return pffs_fs(
+        f"s3://{bucket}",
+        tmp_path / "sdk-cache",
+        endpoint_url=proxy.endpoint_url,
+        key=s3_server.access_key,
+        secret=s3_server.secret_key,
+        **options,
+    )
+
+
 def test_half_throttled_a_tenth_stalled_every_read_is_exact_and_counted(
     s3_server: SeaweedS3, proxy: FaultProxy, data: tuple[str, dict[str, bytes]], tmp_path: Path
 ) -> None:
     bucket, objects = data
     proxy.set(throttle=0.5, stall=0.1)
     # The SDK, with the default deadline (30 s: a per-attempt timeout of 6 s).
-    fs = pffs_fs(
-        f"s3://{bucket}",
-        tmp_path / "sdk-cache",
-        endpoint_url=proxy.endpoint_url,
-        key=s3_server.access_key,
-        secret=s3_server.secret_key,
-    )
+    fs = sdk_through(proxy, s3_server, bucket, tmp_path)
     got = read_all({name: (lambda name=name: fs.cat_file(name)) for name in objects})
     failed = {name: repr(v) for name, v in got.items() if isinstance(v, BaseException)}
     assert not failed, f"SDK reads failed through 50% 503s and 10% stalls: {failed}"
@@ -194,15 +200,7 @@ def test_everything_stalled_every_waiter_fails_by_the_deadline(
         assert sha256(eventually(lambda: (mount.path / "data" / "cold.bin").read_bytes())) == sha256(cold)
         assert eventually(lambda: os.stat(mount.path / "other" / "new.bin")).st_size == 1
 
-    fs = pffs_fs(
-        f"s3://{bucket}",
-        tmp_path / "sdk-cache",
-        endpoint_url=proxy.endpoint_url,
-        key=s3_server.access_key,
-        secret=s3_server.secret_key,
-        backend_timeout=SHORT_DEADLINE_S,
-        metadata_ttl=600,
-    )
+    fs = sdk_through(proxy, s3_server, bucket, tmp_path, backend_timeout=SHORT_DEADLINE_S, metadata_ttl=600)
     assert fs.info("data/cold.bin")["size"] == len(cold)
     with proxy.stall_everything(STALL_S):
         stalled_at = time.monotonic()
