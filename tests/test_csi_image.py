@@ -185,6 +185,15 @@ def test_the_pffs_layer_has_every_package_of_pyproject() -> None:
     assert f"{site}/pffs-0.1.0.dist-info/entry_points.txt" in entries
     assert "opt/pffs/bin/pffs" in entries
     assert not any("/cache/" in path and "/pffs/cache/" not in path for path in entries)
+    assert any(path.startswith(f"{site}/pffs/_core") and path.endswith(".so") for path in entries)
+
+
+def test_a_checkout_without_its_native_core_makes_no_image(tmp_path: Path) -> None:
+    (tmp_path / "pffs").mkdir()
+    (tmp_path / "pffs" / "__init__.py").write_text("")
+    (tmp_path / "pyproject.toml").write_text((REPO / "pyproject.toml").read_text())
+    with pytest.raises(SystemExit, match=r"no built native core .*run `make setup` there first"):
+        pffs_entries(tmp_path, "opt/pffs/lib/python3.11/site-packages")
 
 
 def test_the_provisioner_runs_from_its_image(archives: tuple[Archive, Archive], tmp_path: Path) -> None:

@@ -231,6 +231,12 @@ def pffs_entries(source: Path, site_packages: str) -> list[Entry]:
     name, version = meta["name"], meta["version"]
     venv = "/" + site_packages.split("/lib/", 1)[0]
     files: dict[str, tuple[bytes, int]] = {}
+    if not any((source / "pffs").glob("_core*.so")):
+        # Never an image without its data plane: it would start, then fail at the first mount.
+        raise SystemExit(
+            f"{source} has no built native core (pffs/_core*.so): run `make setup` there first (it builds "
+            "native/ with cargo), then build the image"
+        )
     for package in setup["packages"]:
         folder = _package_folder(source, package, package_dir)
         target = f"{site_packages}/{package.replace('.', '/')}"
