@@ -175,8 +175,8 @@ ATTRIBUTE_MEANINGS = {
     "cacheSize": "This volume's own disk cache, carved out of the node's: at most the node's `--cache-size`, "
     "and only what other volumes' own caches leave. Without it the volume shares the node's cache (the one "
     "warm-ups fill).",
-    "memoryCacheSize": "The mount's memory tier. Set the container's memory limit to at least this plus "
-    "320 MiB per volume.",
+    "memoryCacheSize": "The mount's memory tier. Its mount's peak memory is this plus 320 MiB at the default "
+    "block size ([the formula](../guides/memory.md)): size the mounter's memory limit from it.",
     "blockSize": "The cache's block size (`pffs mount --block-size`).",
     "dirTTL": "Seconds a listing or stat from the backend is trusted (`--dir-ttl`).",
     "attrTTL": "Seconds the kernel trusts names and attributes (`--attr-ttl`).",
