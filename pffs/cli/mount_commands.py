@@ -127,7 +127,9 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
         description="Asks the mount process to upload every file still pending and unmount, and waits "
         "for it. A mount that processes still use (a working directory, open or mapped files inside) is "
         'left mounted, and they are named (pid and command), as umount says "target is busy"; '
-        "--lazy detaches it anyway. A dead (stale) mount, whose process is gone, is detached.",
+        "--lazy detaches it anyway. A dead (stale) mount, whose process is gone, is detached. It returns "
+        "once every process of the mount (its supervisor too) has exited, so the cache's file system can "
+        "be unmounted straight after.",
     )
     p.add_argument("mountpoint", metavar="MOUNTPOINT")
     p.add_argument(
