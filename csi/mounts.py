@@ -93,7 +93,8 @@ def set_file_system_read_only(path: str, read_only: bool) -> None:
     that flag changes (the new mount API, unlike mount(2)'s MS_REMOUNT, leaves nosuid and the rest be).
     EBUSY going read-only while a file is open for writing on it."""
     fd = _libc.syscall(SYS_FSPICK, AT_FDCWD, path.encode(), FSPICK_CLOEXEC)
-    _check(0 if fd >= 0 else -1, "reconfigure", path)
+    if fd < 0:
+        _check(fd, "reconfigure", path)
     try:
         flag = b"ro" if read_only else b"rw"
         _check(_libc.syscall(SYS_FSCONFIG, fd, FSCONFIG_SET_FLAG, flag, None, 0), "reconfigure", path)
@@ -102,27 +103,16 @@ def set_file_system_read_only(path: str, read_only: bool) -> None:
         os.close(fd)
 
 
-def file_system_is_read_only(path: str) -> bool:
+def file_system_is_read_only(path: str) -> bool | None:
     """Whether the file system mounted at `path` (the topmost mount) is read-only as a whole: its
-    superblock options in /proc/self/mountinfo, not the mount's own."""
-    options = ""
+    superblock options in /proc/self/mountinfo, not the mount's own. None if nothing is mounted there."""
+    options = None
     with open("/proc/self/mountinfo") as table:
         for line in table:
             fields = line.split()
             if _unescape(fields[4]) == path:
-                options = fields[-1]
-    return "ro" in options.split(",")
-
-
-def is_read_only(path: str) -> bool:
-    """Whether the mount at `path` (the topmost) is read-only, from /proc/self/mountinfo."""
-    options = ""
-    with open("/proc/self/mountinfo") as table:
-        for line in table:
-            fields = line.split()
-            if _unescape(fields[4]) == path:
-                options = fields[5]  # the last line for a path is the topmost mount
-    return "ro" in options.split(",")
+                options = fields[-1]  # the last line for a path is the topmost mount
+    return None if options is None else "ro" in options.split(",")
 
 
 def unmount(path: str, lazy: bool = False) -> bool:

@@ -42,6 +42,13 @@ def volume_name_of(target_path: str) -> str:
     return os.path.basename(os.path.dirname(os.path.normpath(target_path)))
 
 
+class Blind(BaseModel):
+    """A pod's volume as a repair reaches it: `containers` mount it without HostToContainer."""
+
+    volume: str
+    containers: list[str]
+
+
 class Pods:
     def __init__(self, api: Any | None, node_id: str) -> None:
         self.api = api
@@ -81,26 +88,39 @@ class Pods:
                 return spec, volume.name
         return spec, ""
 
-    def post_repaired(self, pod: PodRef, target_path: str, source: str, ended: str) -> None:
+    def blind_containers(self, pod: PodRef | None, target_path: str) -> Blind | None:
+        """The pod's containers that mount the volume at `target_path` without HostToContainer (they keep a
+        dead mount after a repair), with the pod's name for the volume. None when unknown (no API, no pod
+        named, or the API did not answer)."""
+        if self.api is None or pod is None:
+            return None
+        try:
+            spec, name = self._pod_volume(pod, target_path)
+        except Exception as exc:
+            log.warning("could not read pod %s/%s's volume mounts (%s)", pod.namespace, pod.name, exc)
+            return None
+        return Blind(volume=name or volume_name_of(target_path), containers=without_propagation(spec, name))
+
+    def post_repaired(
+        self, pod: PodRef, target_path: str, source: str, ended: str, blind: Blind | None
+    ) -> None:
         """After a dead mount was mounted again: PffsMountRepaired where every container mounting the
         volume sees the new mount (HostToContainer), else PffsMountRepairNotSeen, which says the pod keeps
-        the dead mount and what to change (both Warnings). In the background, as every Event."""
+        the dead mount and what to change (both Warnings). `blind`: blind_containers(), read again if
+        None. In the background, as every Event."""
         if self.api is None:
             return
         try:
-            self._events.submit(self._post_repaired, pod, target_path, source, ended)
+            self._events.submit(self._post_repaired, pod, target_path, source, ended, blind)
         except RuntimeError:
             log.info("not posting a repair Event on pod %s/%s: stopping", pod.namespace, pod.name)
 
-    def _post_repaired(self, pod: PodRef, target_path: str, source: str, ended: str) -> None:
-        blind: list[str] = []
-        try:
-            spec, name = self._pod_volume(pod, target_path)
-            blind = without_propagation(spec, name)
-        except Exception as exc:
-            log.warning("could not read pod %s/%s's volume mounts (%s)", pod.namespace, pod.name, exc)
-            name = volume_name_of(target_path)
-        if not blind:
+    def _post_repaired(
+        self, pod: PodRef, target_path: str, source: str, ended: str, blind: Blind | None
+    ) -> None:
+        if blind is None:
+            blind = self.blind_containers(pod, target_path)
+        if blind is None or not blind.containers:
             self._post(
                 pod,
                 "Warning",
@@ -114,9 +134,10 @@ class Pods:
             "Warning",
             "PffsMountRepairNotSeen",
             f"the pffs mount of {source} died ({ended}) and was mounted again on the node, but container(s) "
-            f"{', '.join(blind)} mount volume {name} without mountPropagation: HostToContainer, so they keep "
-            "the dead mount: every read of it fails (ENOTCONN) until the pod is restarted. Restart the pod "
-            "now, and add mountPropagation: HostToContainer to that volumeMount so that a repair reaches it",
+            f"{', '.join(blind.containers)} mount volume {blind.volume} without mountPropagation: "
+            "HostToContainer, so they keep the dead mount: every read of it fails (ENOTCONN) until the pod "
+            "is restarted. Restart the pod now, and add mountPropagation: HostToContainer to that "
+            "volumeMount so that a repair reaches it",
         )
 
     def post_event(self, pod: PodRef, kind: str, reason: str, message: str) -> None:

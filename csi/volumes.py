@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import shutil
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -457,8 +458,13 @@ class VolumeManager:
             staged.pid,
             ended,
         )
+        with self.state.lock:
+            targets = list(staged.targets.items())
+        # Read before the repair: a target whose pod cannot see it gets the new mount instead of the dead
+        # one (one mount there), not over it.
+        blind = {target: self.pods.blind_containers(info.pod, target) for target, info in targets}
         try:
-            self._mount_again(staged)
+            self._mount_again(staged, replace={target for target, b in blind.items() if b and b.containers})
         except Exception as exc:
             self.metrics.recovery_failures.inc()
             if staged.pid not in self._told_down:  # once per dead mount, not once per retry
@@ -473,21 +479,22 @@ class VolumeManager:
         self.metrics.recoveries.inc()
         self._told_down.discard(staged.pid)
         source = staged.attributes.get("source", "")
-        for target, info in list(staged.targets.items()):
+        for target, info in targets:
             if info.pod is not None:  # PffsMountRepaired, or why the pod does not see it (pods.py)
-                self.pods.post_repaired(info.pod, target, source, ended)
+                self.pods.post_repaired(info.pod, target, source, ended, blind.get(target))
 
     def _tell_pods(self, staged: Staged, kind: str, reason: str, message: str) -> None:
         for target in staged.targets.values():
             if target.pod is not None:
                 self.pods.post_event(target.pod, kind, reason, message)
 
-    def _mount_again(self, staged: Staged) -> None:
+    def _mount_again(self, staged: Staged, replace: set[str]) -> None:
         """The new mount is bound over each target's dead one: a container's /data is a slave copy of the
         target's top mount, which receives mounts made on top of it and nothing else (not its unmount,
         nor a mount made anew after it), so a live mount reaches a running pod only on top of the dead
-        one. With `pffs csi-mounter`, this happens only when the mounter's pod ends; restarts of the
-        plugin leave the mounts be."""
+        one. Targets in `replace` (pods without HostToContainer, which see neither) lose the dead one
+        first: one mount each. With `pffs csi-mounter`, this happens only when the mounter's pod ends;
+        restarts of the plugin leave the mounts be."""
         if staged.pid and is_mount_process(staged.pid):
             stop_mount_process(staged.pid, staged.staging_path, timeout_s=5)
         unmount_all(staged.staging_path)
@@ -498,7 +505,7 @@ class VolumeManager:
         with self.state.lock:
             staged.pid = pid
             self.state.save()
-        self._bind_targets(staged, lost_only=False)
+        self._bind_targets(staged, lost_only=False, replace=replace)
         self._match_host_access(staged)
         log.info(
             "mounted %s again at %s (pid %d) and bound it into %d target(s)",
@@ -526,7 +533,7 @@ class VolumeManager:
         want_read_only = not writers
         path = staged.staging_path
         try:
-            if path not in mounted_paths() or file_system_is_read_only(path) == want_read_only:
+            if file_system_is_read_only(path) in (None, want_read_only):  # not mounted, or as wanted
                 return
             set_file_system_read_only(path, want_read_only)
         except OSError as exc:
@@ -549,10 +556,10 @@ class VolumeManager:
                 writers[0],
             )
 
-    def _bind_targets(self, staged: Staged, lost_only: bool) -> None:
+    def _bind_targets(self, staged: Staged, lost_only: bool, replace: Collection[str] = ()) -> None:
         """Binds the staged mount into each recorded target (only those that do not show it, with
-        `lost_only`), each on its own: a failure is logged and the others still get theirs. Callers hold
-        the staging path's lock, which unpublish takes too."""
+        `lost_only`), each on its own: a failure is logged and the others still get theirs. The targets in
+        `replace` are emptied first. Callers hold the staging path's lock, which unpublish takes too."""
         with self.state.lock:
             targets = list(staged.targets.items())
         table = mount_table()  # read once for every target: this runs each second for each volume
@@ -563,6 +570,8 @@ class VolumeManager:
             if lost_only:
                 log.warning("target %s does not show its volume's mount; binding it again", target)
             try:
+                if target in replace:
+                    unmount_all(target)
                 bind_mount(staged.staging_path, target, info.read_only)
             except OSError as exc:
                 log.error("could not bind %s into %s: %s (retrying)", staged.staging_path, target, exc)

@@ -140,8 +140,8 @@ def test_a_repair_tells_each_pod_the_truth_about_what_it_sees() -> None:
         sees = PodRef(namespace="team-a", name="trainer-0", uid="uid-trainer-0")
         blind = PodRef(namespace="team-a", name="trainer-1", uid="uid-trainer-1")
         target = "/var/lib/kubelet/pods/{}/volumes/kubernetes.io~csi/pv-imagenet/mount"
-        pods._post_repaired(sees, target.format(sees.uid), "s3://b/imagenet", "killed by SIGKILL")
-        pods._post_repaired(blind, target.format(blind.uid), "s3://b/imagenet", "killed by SIGKILL")
+        pods._post_repaired(sees, target.format(sees.uid), "s3://b/imagenet", "killed by SIGKILL", None)
+        pods._post_repaired(blind, target.format(blind.uid), "s3://b/imagenet", "killed by SIGKILL", None)
     finally:
         pods.close()
     by_pod = {e.involved_object.name: e for e in core.events}

@@ -325,6 +325,28 @@ def test_a_mounter_replaced_tells_each_pod_whether_it_sees_the_repair(cluster: C
         lambda: (last_report(world, BLIND_POD) or {}).get("reopen_fail", 0) > failed,
         30,
     )
+    # On the host, the target of the pod that cannot see the repair holds one mount, the live one (the
+    # dead one is gone, not stacked under it); the other's live one is on top, over the dead one that
+    # its container's copy receives it through.
+    blind_target = target_of(world, BLIND_POD)
+    assert len(mounts_at(blind_target)) == 1, mounts_at(blind_target)
+    assert os.listdir(blind_target), f"{blind_target} does not show the volume"
+    stacked = mounts_at(target_of(world, READER_POD))
+    print(f"mounts at the targets after the repair: {len(stacked)} (HostToContainer), 1 (without)")
+    assert len(stacked) >= 2
+
+
+def target_of(world: Cluster, pod: str) -> str:
+    """The kubelet's target path of the pod's one pffs volume."""
+    uid = world.core.read_namespaced_pod(pod, "default").metadata.uid
+    (target,) = (world.node.kubelet_root / "pods" / uid / "volumes" / "kubernetes.io~csi").glob("*/mount")
+    return str(target)
+
+
+def mounts_at(path: str) -> list[str]:
+    """The mountinfo lines of the mounts stacked at `path`, bottom first."""
+    with open("/proc/self/mountinfo") as table:
+        return [line for line in table if line.split()[4] == path]
 
 
 def pffs_csi_pods(world: Cluster, *args: str) -> str:

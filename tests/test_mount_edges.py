@@ -22,7 +22,10 @@ from helpers import pattern, pffs_fs, server_options, sha256
 from mounts import Mount, drop_page_cache
 from test_mount import env_for, new_bucket
 
+from pffs.backends.urls import open_backend
 from pffs.testing.s3_server import SeaweedS3
+from pffs.vfs.namespace import staged_info
+from pffs.vfs.staging import Staging
 
 pytestmark = [
     pytest.mark.s3,
@@ -255,3 +258,31 @@ def test_after_pffs_umount_the_cache_file_system_unmounts_at_once(
                     os.kill(supervisor, signal.SIGCONT)
             mount.kill()
     assert raw_s3.cat(f"{bucket}/out") == b"x" * 1000
+
+
+def test_a_stat_racing_the_last_close_never_measures_a_reused_descriptor(tmp_path: Path) -> None:
+    """A getattr that finds a file being written just as its last close uploads and drops the staged copy
+    (seen in CI as rsync's chown failing with EBADF): the dropped copy answers None, so the stored object
+    answers instead, and never through whatever file the next open gave the closed descriptor's number."""
+    store = tmp_path / "store"
+    store.mkdir()
+    backend, root = open_backend(str(store))
+    staging = Staging(tmp_path / "staging", backend)
+    staged = staging.create(f"{root}/f")
+    staged.write(0, b"written")
+    assert staged_info(staged) is not None and staged.size() == len(b"written")
+    number = staged.fd
+    staging.release(staged)
+    assert (store / "f").read_bytes() == b"written"
+    other = tmp_path / "other"
+    other.write_bytes(pattern(4096))
+    reused = os.open(other, os.O_RDONLY)
+    try:
+        assert reused == number, "the next open did not reuse the descriptor's number; the check says nothing"
+        assert staged.size() is None
+        assert staged_info(staged) is None
+        with pytest.raises(OSError) as raised:
+            staged.read(0, 10)
+        assert raised.value.errno == errno.EBADF
+    finally:
+        os.close(reused)

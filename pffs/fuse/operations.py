@@ -296,8 +296,9 @@ class Operations(pyfuse3.Operations):
         for handle in list(self.files.values()):
             if handle.inode != inode:
                 continue
-            if handle.staged is not None:
-                return staged_info(handle.staged)
+            held = staged_info(handle.staged) if handle.staged is not None else None
+            if held is not None:
+                return held
             if handle.reader is not None:
                 return handle.reader.info
         return None

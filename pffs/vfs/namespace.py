@@ -68,11 +68,15 @@ def directory_info(path: str) -> ObjectInfo:
     return ObjectInfo(path=path, size=0, is_dir=True, identity="dir")
 
 
-def staged_info(staged: StagedFile) -> ObjectInfo:
+def staged_info(staged: StagedFile) -> ObjectInfo | None:
+    """What a file being written shows; None if it was dropped meanwhile (its upload answers)."""
+    size = staged.size()
+    if size is None:
+        return None
     mtime_ns = staged.mtime_ns if staged.mtime_ns is not None else time.time_ns()
     return ObjectInfo(
         path=staged.path,
-        size=staged.size(),
+        size=size,
         is_dir=False,
         identity=f"{STAGED_IDENTITY}{staged.data_path.name}",
         mtime=mtime_ns / 1e9,
@@ -104,8 +108,9 @@ class Namespace:
     def _made_here(self, path: str) -> ObjectInfo | None:
         """A file being written here, or a directory made here; None for anything else."""
         staged = self.staging.get(path)
-        if staged is not None:
-            return staged_info(staged)
+        info = staged_info(staged) if staged is not None else None
+        if info is not None:
+            return info
         return directory_info(path) if path in self.new_dirs else None
 
     def complete(self, info: ObjectInfo) -> bool:
@@ -226,8 +231,9 @@ class Namespace:
             if posixpath.dirname(p) == path
         }
         for staged in self.staging.files():
-            if posixpath.dirname(staged.path) == path:
-                extra[posixpath.basename(staged.path)] = staged_info(staged)
+            info = staged_info(staged) if posixpath.dirname(staged.path) == path else None
+            if info is not None:
+                extra[posixpath.basename(staged.path)] = info
         if not extra:
             return names
         return {**names, **extra}

@@ -7,6 +7,7 @@ nothing written is dropped silently. Files left by a process that died are repor
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -35,6 +36,9 @@ class StagedFile:
         self.url = url
         self.data_path = data_path
         self.fd = os.open(data_path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        # Held around uses of `fd` that may race with discard(): a closed descriptor's number is reused
+        # by the next open, whose size or bytes must never be taken for this file's.
+        self._fd_lock = threading.Lock()
         self.lock = threading.Lock()
         self.opens = 0
         # Writes bump `generation`; an upload records the generation it carried, so a write that lands
@@ -57,11 +61,17 @@ class StagedFile:
     def sidecar(self) -> Path:
         return self.data_path.with_suffix(".json")
 
-    def size(self) -> int:
-        return os.fstat(self.fd).st_size
+    def size(self) -> int | None:
+        """Bytes in the file; None once it is dropped (uploaded and closed, or unlinked): the stored
+        object answers for it then."""
+        with self._fd_lock:
+            return None if self.fd < 0 else os.fstat(self.fd).st_size
 
     def read(self, offset: int, length: int) -> bytes:
-        return os.pread(self.fd, length, offset)
+        with self._fd_lock:
+            if self.fd < 0:
+                raise OSError(errno.EBADF, f"{self.url}: read after the staged copy was dropped")
+            return os.pread(self.fd, length, offset)
 
     def write(self, offset: int, data: bytes) -> int:
         self._record_intent()
@@ -99,7 +109,11 @@ class StagedFile:
             self.sidecar.write_text(json.dumps({"url": self.url, "path": self.path, "pid": os.getpid()}))
 
     def discard(self) -> None:
-        os.close(self.fd)
+        with self._fd_lock:
+            if self.fd < 0:
+                return
+            os.close(self.fd)
+            self.fd = -1
         if self.abandoned:
             return  # kept for inspection (Staging.abandon)
         for leftover in (self.data_path, self.sidecar):
@@ -235,7 +249,7 @@ class Staging:
             staged.sidecar.unlink(missing_ok=True)
             staged.data_path = kept
             staged.abandoned = True
-            record = {"url": staged.url, "path": staged.path, "size": staged.size(), **details}
+            record = {"url": staged.url, "path": staged.path, "size": staged.size() or 0, **details}
             staged.sidecar.write_text(json.dumps(record))
         self.killed_writes += 1
         return kept
