@@ -238,11 +238,13 @@ def test_a_failed_listing_is_one_line_and_exit_1(
     common = ["--endpoint-url", s3_server.endpoint_url, "--cache-dir", str(tmp_path / "c")]
     for command, url, message in [
         ("ls", "s3://pffs-no-such-bucket-here/x", "the bucket does not exist"),
+        ("ls", "s3://pffs-no-such-bucket-here", "the bucket does not exist"),  # its root: no NoSuchBucket
+        ("du", "s3://pffs-no-such-bucket-here/", "the bucket does not exist"),
         ("du", f"s3://{bucket}/no/such/prefix", "no such file or object"),
     ]:
         result = pffs(command, url, *common)
         assert result.returncode == 1, result.stderr
-        assert result.stderr.startswith(f"pffs: error: {url}: {message}"), result.stderr
+        assert result.stderr.startswith(f"pffs: error: {url.rstrip('/')}: {message}"), result.stderr
         assert result.stderr.count("\n") == 1, result.stderr
     assert not (tmp_path / "c").exists()
 

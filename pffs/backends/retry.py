@@ -298,6 +298,13 @@ def _without_userinfo(url: str) -> str:
     return f"{scheme}://{authority.rpartition('@')[2]}{slash}{path}"
 
 
+def _is_bucket_root(url: str) -> bool:
+    """s3://bucket (or s3://bucket/): a listing of it fails only when there is no such bucket."""
+    scheme, _, rest = url.partition("://")
+    bucket = rest.strip("/")
+    return scheme in ("s3", "s3a") and bool(bucket) and "/" not in bucket
+
+
 def _no_such_bucket(exc: BaseException) -> bool:
     response = _response(exc)
     if response is not None and response.get("Error", {}).get("Code") == "NoSuchBucket":
@@ -340,6 +347,8 @@ def permanent_error(exc: BaseException, url: str, endpoint: str | None = None) -
     if isinstance(exc, FileNotFoundError):
         if _no_such_bucket(exc):
             return FileNotFoundError(errno.ENOENT, f"{url}: the bucket does not exist ({describe(exc)})")
+        if _is_bucket_root(url):  # a bucket that exists lists, if empty
+            return FileNotFoundError(errno.ENOENT, f"{url}: the bucket does not exist")
         return FileNotFoundError(errno.ENOENT, f"{url}: no such file or object")
     if isinstance(exc, PermissionError):
         return PermissionError(
