@@ -25,6 +25,8 @@ from .stats import CacheStats, read_totals, reset_totals
 
 log = logging.getLogger(__name__)
 
+LOCK_WAIT_S = 30.0  # the default --backend-timeout
+
 Block = bytes | memoryview
 STATS_FILE = "stats.sqlite"
 MAX_LOOKED_AHEAD = 65536  # keys remembered as looked up ahead, to count their reader's read rightly
@@ -73,6 +75,11 @@ class BlockCache:
             self.stats = CacheStats(None)
         self.memory = MemoryTier(memory_capacity_bytes, self.stats)
         self._flight: SingleFlight[Block] = SingleFlight()
+        # How long a reader waits for another process's fetch of the same block before fetching it too:
+        # the backend deadline (set by whoever reads through this cache), which that fetch has as well. A
+        # process stopped or hung while it holds the lock costs a second fetch, never a reader with no
+        # deadline. None: not set, LOCK_WAIT_S.
+        self.lock_wait_s: float | None = None
         # Keys looked up ahead of their reader and not read since, oldest first: FETCHED_AHEAD or FOUND_AHEAD
         self._looked_ahead: dict[str, str] = {}
         self._ahead_lock = threading.Lock()
@@ -220,7 +227,7 @@ class BlockCache:
     ) -> Block:
         data = self._from_disk(key, length, ahead=ahead)
         if data is None:
-            release = self.locks.acquire(key) if self.locks is not None else None
+            release = self._lock(key)
             try:
                 # Another process may have fetched it while we waited for the lock.
                 data = self._from_disk(key, length, ahead=ahead) if release is not None else None
@@ -235,6 +242,21 @@ class BlockCache:
         if keep_in_memory:
             self.memory.put(key, data)
         return data
+
+    def _lock(self, key: str) -> Callable[[], None] | None:
+        """The cross-process lock of `key` (None: none to take, or its holder took too long)."""
+        if self.locks is None:
+            return None
+        wait_s = self.lock_wait_s or LOCK_WAIT_S
+        release = self.locks.acquire(key, wait_s=wait_s)
+        if release is None:
+            log.warning(
+                "block %s: another process has been fetching it for more than %g s (the backend deadline); "
+                "fetching it here too",
+                key,
+                wait_s,
+            )
+        return release
 
     def _from_memory(self, key: str, ahead: bool = False) -> Block | None:
         data = self.memory.get(key)

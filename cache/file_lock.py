@@ -16,12 +16,14 @@ nothing is shared between threads or carried across fork.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import functools
 import hashlib
 import os
 import struct
 import threading
+import time
 import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -31,15 +33,40 @@ from .fork import after_fork_in_child, hold_across_fork
 STRIPES = 1024
 
 
+# A wait for a lock another process holds polls: a blocking wait (F_OFD_SETLKW, flock) cannot be given a
+# deadline from a thread. The first polls come quickly (a fetch of a small block ends in milliseconds); then
+# every POLL_MAX_S, which a waiter pays at most once per block, against fetches of tens of milliseconds.
+POLL_FIRST_S = 0.0005
+POLL_MAX_S = 0.01
+
+
+def _poll(try_once: Callable[[], bool], wait_s: float | None) -> bool:
+    """Calls `try_once` until it returns True (then True) or `wait_s` has passed (then False; None: never)."""
+    if try_once():
+        return True
+    end = None if wait_s is None else time.monotonic() + wait_s
+    pause = POLL_FIRST_S
+    while end is None or time.monotonic() < end:
+        time.sleep(pause if end is None else max(0.0, min(pause, end - time.monotonic())))
+        if try_once():
+            return True
+        pause = min(pause * 2, POLL_MAX_S)
+    return False
+
+
 class KeyLocks:
     """What both kinds of lock give: acquire(key) -> release(), and hold(key) around a block of code."""
 
-    def acquire(self, key: str) -> Callable[[], None]:
+    def acquire(self, key: str, wait_s: float | None = None) -> Callable[[], None] | None:
+        """Takes the key's lock, waiting for another process that holds it at most `wait_s` (None: as
+        long as it takes); returns the function that releases it (from any thread, once), or None if the
+        wait ran out."""
         raise NotImplementedError
 
     @contextlib.contextmanager
     def hold(self, key: str) -> Iterator[None]:
         release = self.acquire(key)
+        assert release is not None  # no wait_s: it waits as long as it takes
         try:
             yield
         finally:
@@ -72,15 +99,18 @@ class StripedFileLocks(KeyLocks):
         self._held = set()
         self._held_lock = threading.Lock()
 
-    def acquire(self, key: str) -> Callable[[], None]:
-        """Takes the key's lock; returns the function that releases it (from any thread, once)."""
+    def acquire(self, key: str, wait_s: float | None = None) -> Callable[[], None] | None:
         stripe = zlib.crc32(key.encode()) % STRIPES
         path = self.directory / f"{stripe:04d}.lock"
         with self._held_lock:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
             self._held.add(fd)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)  # waits, outside _held_lock
+            if wait_s is None:
+                fcntl.flock(fd, fcntl.LOCK_EX)  # waits, outside _held_lock
+            elif not _poll(functools.partial(_try_flock, fd), wait_s):
+                self._release(fd)
+                return None
         except BaseException:
             self._release(fd)
             raise
@@ -90,6 +120,14 @@ class StripedFileLocks(KeyLocks):
         with self._held_lock:
             self._held.discard(fd)
             os.close(fd)  # closing the (last) descriptor releases the lock
+
+
+def _try_flock(fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
 
 
 LOCK_FILE = "blocks.lock"  # in the locks folder, beside the striped locks' files
@@ -131,13 +169,23 @@ class BlockLocks(KeyLocks):
     def _lock_byte(self, command: int, kind: int, offset: int, fd: int | None = None) -> None:
         fcntl.fcntl(self._fd if fd is None else fd, command, _FLOCK.pack(kind, os.SEEK_SET, offset, 1, 0))
 
-    def acquire(self, key: str) -> Callable[[], None]:
-        """Takes the key's lock (waiting for another process that holds it); returns the function that
-        releases it (from any thread, once)."""
+    def acquire(self, key: str, wait_s: float | None = None) -> Callable[[], None] | None:
         offset = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "big") >> 2
         fd = self._fd
-        self._lock_byte(fcntl.F_OFD_SETLKW, fcntl.F_WRLCK, offset, fd)  # waits, without the GIL
+        if wait_s is None:
+            self._lock_byte(fcntl.F_OFD_SETLKW, fcntl.F_WRLCK, offset, fd)  # waits, without the GIL
+        elif not _poll(functools.partial(self._try_lock, offset, fd), wait_s):
+            return None
         return functools.partial(self._release, fd, offset)
+
+    def _try_lock(self, offset: int, fd: int) -> bool:
+        try:
+            self._lock_byte(fcntl.F_OFD_SETLK, fcntl.F_WRLCK, offset, fd)
+        except OSError as exc:
+            if exc.errno in (errno.EAGAIN, errno.EACCES):  # held by another open file description
+                return False
+            raise
+        return True
 
     def _release(self, fd: int, offset: int) -> None:
         if fd != self._fd:  # taken before a fork, released in the child: the parent's to release

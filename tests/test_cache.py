@@ -647,3 +647,53 @@ def test_a_block_queued_twice_in_one_batch_is_written_once_and_the_disk_tier_sta
     assert bytes(cache.get("k-2", lambda: pytest.fail("on disk"))) == data
     assert cache.stats.snapshot()["disk_write_failures"] == 0
     cache.close()
+
+
+HOLD_A_BLOCK_LOCK = """
+import sys, time
+from pffs.cache.file_lock import block_locks, StripedFileLocks
+locks = block_locks(sys.argv[1]) if sys.argv[3] == "ofd" else StripedFileLocks(sys.argv[1])
+locks.acquire(sys.argv[2])
+print("holding", flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("kind", ["ofd", "striped"])
+def test_a_reader_waits_for_a_stuck_process_s_fetch_no_longer_than_the_deadline(
+    kind: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Another process holds a block's lock and never lets go (stopped, or hung in its fetch): a reader of
+    that block waits for it the backend deadline at most, then fetches the block itself, bytes exact; once
+    the holder is gone, its lock is free."""
+    cache = BlockCache(tmp_path / "c", disk_capacity_bytes=64 << 20, memory_capacity_bytes=0)
+    if kind == "striped":
+        from pffs.cache.file_lock import StripedFileLocks
+
+        cache.locks = StripedFileLocks(tmp_path / "c" / "locks")
+    assert cache.locks is not None
+    cache.lock_wait_s = 1.0
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_A_BLOCK_LOCK, str(tmp_path / "c" / "locks"), "stuck", kind],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "holding"
+        assert cache.locks.acquire("stuck", wait_s=0.2) is None  # held elsewhere: the wait runs out
+        started = time.monotonic()
+        with caplog.at_level(logging.WARNING, logger="pffs.cache.block_cache"):
+            data = cache.get("stuck", lambda: pattern(300_000, seed=7))
+        waited = time.monotonic() - started
+        assert sha256(data) == sha256(pattern(300_000, seed=7))
+        assert 1.0 <= waited < 10, waited
+        assert "another process has been fetching it for more than 1 s" in caplog.text
+        free = cache.locks.acquire("another-key", wait_s=0.2)
+        assert free is not None
+        free()
+    finally:
+        holder.kill()
+        holder.wait(10)
+    release = cache.locks.acquire("stuck", wait_s=5)  # the holder is gone: its lock with it
+    assert release is not None
+    release()

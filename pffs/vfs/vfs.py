@@ -65,6 +65,8 @@ class Vfs:
         self.settings = settings
         self.cache = cache or shared_block_cache(settings)
         self.metadata = MetadataCache(settings.metadata_ttl, settings.stale_if_error)
+        if backend.retry.timeout_s is not None:  # the longest deadline of the backends reading through it
+            self.cache.lock_wait_s = max(self.cache.lock_wait_s or 0.0, backend.retry.timeout_s)
         where = public_url(backend.origin or backend.url(""))  # no user:password@ in a log line
         self.outage = Outage(settings.stale_if_error, self.cache.stats, where)
         # The last listings, on disk, for a process started while the backend is down (pffs.vfs.stale);
