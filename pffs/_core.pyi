@@ -6,3 +6,42 @@ def xxh3_64_segments(data: Buffer, segment: int) -> list[int]:
     """The xxh3-64 digest (seed 0) of each `segment`-byte piece of `data` (any C-contiguous buffer of
     bytes), the last one possibly shorter: `xxhash.xxh3_64_intdigest` of each piece; [] for no bytes.
     The GIL is released while it hashes 64 KiB or more."""
+
+class CorruptBlockError(ValueError):
+    """A block file that is truncated, too long, bit-flipped or not in pffs's layout: never served."""
+
+class BlockHeader:
+    """A block file's parsed header, kept by the caller to skip reading it again."""
+
+    @property
+    def length(self) -> int: ...
+
+def block_header_size(length: int) -> int:
+    """Where a block file's payload of `length` bytes starts: its header's size, padding included."""
+
+def block_header(payload: Buffer) -> bytes:
+    """The header of a block file holding `payload` (padded to its page boundary)."""
+
+def parse_block_header(data: bytes) -> tuple[int, list[int]]:
+    """(payload length, segment digests) of the header at the start of `data`; CorruptBlockError if it
+    is not one of ours."""
+
+def check_block_segments(digests: list[int], first: int, data: Buffer) -> None:
+    """Checks `data`, whole segments from segment number `first` on, against `digests`."""
+
+def block_payload_length(path: str) -> int:
+    """The payload length of the block file at `path`, from its header."""
+
+def read_block_into(path: str, into: Buffer, expected_length: int, direct: bool = False) -> None:
+    """Reads the block file at `path`, whose payload is `expected_length` bytes, into the writable buffer
+    `into` (room for more than the file should hold) as stored, and verifies it. Without the GIL."""
+
+def read_block_bytes(path: str, expected_length: int) -> bytes:
+    """The block file at `path`, whose payload is `expected_length` bytes, as stored (the payload from
+    block_header_size(expected_length) on, one byte of room after it), verified. Without the GIL."""
+
+def read_block_range(
+    path: str, start: int, end: int, header: BlockHeader | None = None, direct: bool = False
+) -> tuple[bytes, BlockHeader]:
+    """Bytes [start, end) of a block file's payload, verifying only the segments they lie in, and its
+    header. Without the GIL."""

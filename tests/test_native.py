@@ -28,6 +28,8 @@ from pffs.cache.block_format import (
     check_block,
     header_size,
     pack_block,
+    read_block_file,
+    read_block_range,
     unpack_block,
 )
 
@@ -124,6 +126,78 @@ def test_the_gil_is_released_while_it_hashes() -> None:
         sys.setswitchinterval(interval)
     thread.join(timeout=60)
     assert counted > 0, "no Python code ran while pffs._core hashed 64 MiB: the GIL was held"
+
+
+@pytest.mark.parametrize("direct", [False, True])
+def test_a_block_file_is_read_and_verified_natively(direct: bool, tmp_path: Path) -> None:
+    """The disk tier's reads (pffs.cache.block_format over native/core/src/cache/block_file.rs): a whole
+    block comes back as a view of the buffer it was read into; a range verifies only its
+    segments and hands its header back for the next read; every kind of damage is refused."""
+    size = 3 * SEGMENT + 77
+    payload = random.Random(5).randbytes(size)
+    path = tmp_path / "block"
+    path.write_bytes(old_block_header(payload) + payload)
+    for expected in (size, None):
+        got = read_block_file(str(path), expected, direct)
+        assert bytes(got) == payload
+        assert isinstance(got, memoryview) and got.nbytes == size
+    whole = read_block_file(str(path), size, direct)
+    first, header = read_block_range(str(path), SEGMENT - 10, 2 * SEGMENT + 10, None, direct)
+    again, same = read_block_range(str(path), 0, size + 100, header, direct)  # past the end: to the end
+    assert first == payload[SEGMENT - 10 : 2 * SEGMENT + 10] and again == payload
+    assert same is header and header.length == size
+    assert bytes(whole) == payload
+    stored = path.read_bytes()
+    flipped = bytearray(stored)
+    flipped[-9] ^= 1
+    damaged = {
+        "truncated": stored[:-1],
+        "longer": stored + b"\0",
+        "flipped": bytes(flipped),
+        "foreign": b"PK\x03\x04" + bytes(8192),
+        "empty": b"",
+    }
+    for name, content in damaged.items():
+        bad = tmp_path / name
+        bad.write_bytes(content)
+        for expected in (size, None):
+            with pytest.raises(CorruptBlockError):
+                read_block_file(str(bad), expected, direct)
+    with pytest.raises(CorruptBlockError, match="expected"):
+        read_block_file(str(path), size - 1, direct)
+    with pytest.raises(FileNotFoundError):
+        read_block_file(str(tmp_path / "missing"), size, direct)
+
+
+@pytest.mark.timeout(120)
+def test_the_gil_is_released_while_a_block_file_is_read(tmp_path: Path) -> None:
+    """As for hashing: a Python thread woken just before the reads counts while they run."""
+    payload = bytes(32 << 20)
+    path = tmp_path / "block"
+    path.write_bytes(pack_block(payload))
+    count = [0]
+    go = threading.Event()
+
+    def counter() -> None:
+        go.wait()
+        for _ in range(10_000):
+            count[0] += 1
+
+    interval = sys.getswitchinterval()
+    thread = threading.Thread(target=counter, daemon=True)
+    thread.start()
+    sys.setswitchinterval(300)
+    try:
+        go.set()
+        for _ in range(50):
+            read_block_file(str(path), len(payload))
+            if count[0]:
+                break
+        counted = count[0]
+    finally:
+        sys.setswitchinterval(interval)
+    thread.join(timeout=60)
+    assert counted > 0, "no Python code ran while pffs._core read a 32 MiB block: the GIL was held"
 
 
 def test_a_checkout_without_the_native_core_says_how_to_build_it() -> None:

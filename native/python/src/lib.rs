@@ -6,16 +6,69 @@ use pyo3::prelude::*;
 /// See pffs_core::SOURCE_DIGEST: this crate is rebuilt too when native/'s sources change.
 const _SOURCE_DIGEST: Option<&str> = option_env!("PFFS_NATIVE_SOURCE");
 
+// A block file that is not one of ours, whole (`cache.block_format.CorruptBlockError` is this class).
+pyo3::create_exception!(
+    _core,
+    CorruptBlockError,
+    pyo3::exceptions::PyValueError,
+    "A block file that is truncated, too long, bit-flipped or not in pffs's layout: never served."
+);
+
 #[pymodule]
 mod _core {
+    use std::path::PathBuf;
+
+    use pffs_core::cache::block_file::{self, BlockError, Header};
     use pffs_core::cache::checksum::segment_digests;
     use pyo3::buffer::PyBuffer;
     use pyo3::exceptions::{PyBufferError, PyValueError};
+    use pyo3::ffi;
     use pyo3::prelude::*;
+    use pyo3::types::PyBytes;
+
+    #[pymodule_export]
+    use super::CorruptBlockError;
 
     /// Below this many bytes, hashing (a few microseconds) costs less than giving the GIL up and waiting
     /// to get it back while other threads want it.
     const DETACH_MIN: usize = 64 << 10;
+
+    /// Runs `work` on the bytes of `data` (any C-contiguous buffer), without the GIL when they are
+    /// DETACH_MIN or more.
+    fn with_bytes<T: Send>(
+        py: Python<'_>,
+        data: &PyBuffer<u8>,
+        work: impl FnOnce(&[u8]) -> T + Send,
+    ) -> PyResult<T> {
+        let len = data.len_bytes();
+        if len == 0 {
+            return Ok(work(&[]));
+        }
+        let bytes = data
+            .as_slice_ptr()
+            .ok_or_else(|| PyBufferError::new_err("the buffer is not C-contiguous"))?;
+        let address = bytes.cast::<u8>().as_ptr() as usize;
+        let run = move || {
+            // SAFETY: `data` holds the exporter's buffer (PyObject_GetBuffer) until it is dropped after
+            // this call returns, so the `len` bytes at `address` stay allocated and in place; they are
+            // only read. As with hashlib, a Python thread writing into a mutable buffer meanwhile races
+            // with the reader and gets a meaningless result, never a wild access.
+            let bytes = unsafe { std::slice::from_raw_parts(address as *const u8, len) };
+            work(bytes)
+        };
+        Ok(if len >= DETACH_MIN {
+            py.detach(run)
+        } else {
+            run()
+        })
+    }
+
+    fn block_error(err: BlockError) -> PyErr {
+        match err {
+            BlockError::Io(err) => err.into(), // FileNotFoundError and the rest, as Python's own
+            BlockError::Corrupt(why) => CorruptBlockError::new_err(why),
+        }
+    }
 
     /// The xxh3-64 digest (seed 0) of each `segment`-byte piece of `data` (any C-contiguous buffer of
     /// bytes), the last one possibly shorter: `xxhash.xxh3_64_intdigest` of each piece. The GIL is
@@ -25,26 +78,156 @@ mod _core {
         if segment == 0 {
             return Err(PyValueError::new_err("segment size must be positive"));
         }
-        let len = data.len_bytes();
-        if len == 0 {
-            return Ok(Vec::new());
+        with_bytes(py, &data, |bytes| segment_digests(bytes, segment))
+    }
+
+    /// Where a block file's payload of `length` bytes starts: its header's size, padding included.
+    #[pyfunction]
+    fn block_header_size(length: usize) -> usize {
+        block_file::header_size(length)
+    }
+
+    /// The header of a block file holding `payload` (padded to its page boundary).
+    #[pyfunction]
+    fn block_header<'py>(py: Python<'py>, payload: PyBuffer<u8>) -> PyResult<Bound<'py, PyBytes>> {
+        let header = with_bytes(py, &payload, block_file::block_header)?;
+        Ok(PyBytes::new(py, &header))
+    }
+
+    /// (payload length, segment digests) of the header at the start of `data`; CorruptBlockError if it
+    /// is not one of ours.
+    #[pyfunction]
+    fn parse_block_header(data: &[u8]) -> PyResult<(usize, Vec<u64>)> {
+        let header = block_file::parse_header(data).map_err(block_error)?;
+        Ok((header.length, header.digests))
+    }
+
+    /// Checks `data`, whole segments from segment number `first` on, against `digests`.
+    #[pyfunction]
+    fn check_block_segments(
+        py: Python<'_>,
+        digests: Vec<u64>,
+        first: usize,
+        data: PyBuffer<u8>,
+    ) -> PyResult<()> {
+        with_bytes(py, &data, |bytes| {
+            block_file::check_segments(&digests, first, bytes)
+        })?
+        .map_err(block_error)
+    }
+
+    /// A block file's parsed header, kept by the caller to skip reading it again.
+    #[pyclass(frozen, name = "BlockHeader")]
+    struct BlockHeader {
+        header: Header,
+    }
+
+    #[pymethods]
+    impl BlockHeader {
+        #[getter]
+        fn length(&self) -> usize {
+            self.header.length
         }
-        let bytes = data
-            .as_slice_ptr()
-            .ok_or_else(|| PyBufferError::new_err("the buffer is not C-contiguous"))?;
-        let address = bytes.cast::<u8>().as_ptr() as usize;
-        let digest = move || {
-            // SAFETY: `data` holds the exporter's buffer (PyObject_GetBuffer) until it is dropped after
-            // this call returns, so the `len` bytes at `address` stay allocated and in place; they are
-            // only read. As with hashlib, a Python thread writing into a mutable buffer meanwhile races
-            // with the hash and gets a meaningless digest, never a wild access.
-            let bytes = unsafe { std::slice::from_raw_parts(address as *const u8, len) };
-            segment_digests(bytes, segment)
-        };
-        Ok(if len >= DETACH_MIN {
-            py.detach(digest)
-        } else {
-            digest()
+    }
+
+    /// The payload length of the block file at `path`, from its header (CorruptBlockError if damaged,
+    /// FileNotFoundError if absent).
+    #[pyfunction]
+    fn block_payload_length(py: Python<'_>, path: PathBuf) -> PyResult<usize> {
+        py.detach(|| block_file::payload_length(&path))
+            .map_err(block_error)
+    }
+
+    /// Reads the block file at `path`, whose payload is `expected_length` bytes, into `into` (a writable
+    /// C-contiguous buffer with room for more than the file should hold) as stored, and verifies it
+    /// (CorruptBlockError if damaged, FileNotFoundError if absent). `direct`: O_DIRECT, when `into` is
+    /// page-aligned whole pages. Without the GIL. The caller allocates: the bytes stay Python's memory.
+    #[pyfunction]
+    #[pyo3(signature = (path, into, expected_length, direct=false))]
+    fn read_block_into(
+        py: Python<'_>,
+        path: PathBuf,
+        into: PyBuffer<u8>,
+        expected_length: usize,
+        direct: bool,
+    ) -> PyResult<()> {
+        if into.readonly() {
+            return Err(PyBufferError::new_err(
+                "the buffer to read into is read-only",
+            ));
+        }
+        if !into.is_c_contiguous() {
+            return Err(PyBufferError::new_err("the buffer is not C-contiguous"));
+        }
+        let (address, len) = (into.buf_ptr() as usize, into.len_bytes());
+        py.detach(move || {
+            // SAFETY: `into` holds the exporter's writable buffer until it is dropped after this call
+            // returns, so the `len` bytes at `address` stay allocated and in place. A Python thread using
+            // them meanwhile races with the read, as with readinto: it sees meaningless bytes, never a
+            // wild access.
+            let buf = unsafe { std::slice::from_raw_parts_mut(address as *mut u8, len) };
+            block_file::read_block_into(&path, buf, expected_length, direct)
         })
+        .map_err(block_error)
+    }
+
+    /// The block file at `path`, whose payload is `expected_length` bytes, as stored (the payload from
+    /// block_header_size(expected_length) on, one byte of room after it), verified, in a new bytes
+    /// object: the buffer the read went into, never zeroed first (os.pread's way). Without the GIL.
+    #[pyfunction]
+    fn read_block_bytes(
+        py: Python<'_>,
+        path: PathBuf,
+        expected_length: usize,
+    ) -> PyResult<Bound<'_, PyBytes>> {
+        let len = block_file::header_size(expected_length) + expected_length + 1;
+        let size =
+            ffi::Py_ssize_t::try_from(len).map_err(|_| PyValueError::new_err("block too long"))?;
+        // SAFETY: a NULL source makes a bytes object of `len` bytes left uninitialised, ours alone until it
+        // is returned; it is filled (or dropped on an error) before any Python code sees it.
+        let bytes = unsafe {
+            let raw = ffi::PyBytes_FromStringAndSize(std::ptr::null(), size);
+            Bound::from_owned_ptr_or_err(py, raw)?.cast_into_unchecked::<PyBytes>()
+        };
+        // SAFETY: PyBytes_AsString of a bytes object points at its `len` bytes (and a trailing NUL).
+        let address = unsafe { ffi::PyBytes_AsString(bytes.as_ptr()) } as usize;
+        py.detach(move || {
+            // SAFETY: the object above owns these `len` bytes, and nothing else refers to it until it
+            // returns; only the bytes the read wrote are looked at.
+            unsafe {
+                block_file::read_block_into_raw(
+                    &path,
+                    address as *mut u8,
+                    len,
+                    expected_length,
+                    false,
+                )
+            }
+        })
+        .map_err(block_error)?;
+        Ok(bytes)
+    }
+
+    /// Bytes [start, end) of a block file's payload, verifying only the segments they lie in, and its
+    /// header (pass it back next time: one disk read instead of two). Without the GIL.
+    #[pyfunction]
+    #[pyo3(signature = (path, start, end, header=None, direct=false))]
+    fn read_block_range<'py>(
+        py: Python<'py>,
+        path: PathBuf,
+        start: usize,
+        end: usize,
+        header: Option<Bound<'py, BlockHeader>>,
+        direct: bool,
+    ) -> PyResult<(Bound<'py, PyBytes>, Bound<'py, BlockHeader>)> {
+        let known = header.as_ref().map(|h| h.get().header.clone());
+        let (data, read) = py
+            .detach(|| block_file::read_block_range(&path, start, end, known, direct))
+            .map_err(block_error)?;
+        let header = match header {
+            Some(header) => header,
+            None => Bound::new(py, BlockHeader { header: read })?,
+        };
+        Ok((PyBytes::new(py, &data), header))
     }
 }

@@ -1,3 +1,4 @@
-//! The block cache (DESIGN.md's `cache/`): so far the checksum of its block format.
+//! The block cache (DESIGN.md's `cache/`): so far the checksum and the block file format.
 
+pub mod block_file;
 pub mod checksum;
