@@ -59,15 +59,22 @@ class Pods:
         """True when every container of the pod that mounts this volume mounts it readOnly (the kubelet
         passes that to the runtime, not to CSI: without this, the host's bind would be writable, and so
         would a repaired mount bound over the pod's read-only one). False when unknown."""
-        if self.api is None or pod is None:
+        found = self._pod_volume_if_known(pod, target_path)
+        if found is None:
             return False
-        try:
-            spec, name = self._pod_volume(pod, target_path)
-        except Exception as exc:
-            log.warning("could not read pod %s/%s's volume mounts (%s)", pod.namespace, pod.name, exc)
-            return False
+        spec, name = found
         mounts = [m for _, m in volume_mounts(spec, name)]
         return bool(mounts) and all(m.read_only for m in mounts)
+
+    def _pod_volume_if_known(self, pod: PodRef | None, target_path: str) -> tuple[Any, str] | None:
+        """_pod_volume, or None (logged) when there is no API, no pod named, or the API did not answer."""
+        if self.api is None or pod is None:
+            return None
+        try:
+            return self._pod_volume(pod, target_path)
+        except Exception as exc:
+            log.warning("could not read pod %s/%s's volume mounts (%s)", pod.namespace, pod.name, exc)
+            return None
 
     def _pod_volume(self, pod: PodRef, target_path: str) -> tuple[Any, str]:
         """The pod's spec and the name of its volume published at `target_path` ("" if none matches)."""
@@ -92,13 +99,10 @@ class Pods:
         """The pod's containers that mount the volume at `target_path` without HostToContainer (they keep a
         dead mount after a repair), with the pod's name for the volume. None when unknown (no API, no pod
         named, or the API did not answer)."""
-        if self.api is None or pod is None:
+        found = self._pod_volume_if_known(pod, target_path)
+        if found is None:
             return None
-        try:
-            spec, name = self._pod_volume(pod, target_path)
-        except Exception as exc:
-            log.warning("could not read pod %s/%s's volume mounts (%s)", pod.namespace, pod.name, exc)
-            return None
+        spec, name = found
         return Blind(volume=name or volume_name_of(target_path), containers=without_propagation(spec, name))
 
     def post_repaired(

@@ -1617,7 +1617,8 @@ def test_a_plugin_that_cannot_find_its_kubelet_is_unready_and_touches_no_mount_u
         fake.__exit__()  # the kubelet's sockets stop answering
         os.kill(before[str(staging)]["pid"], signal.SIGKILL)  # a mount a working plugin would repair
         assert wait_gone({before[str(staging)]["pid"]}, 5) == set()
-        plugin.start()
+        plugin.start()  # (it answers on its socket just before it writes its readiness: wait for that)
+        wait_for("the plugin unready", lambda: ready_file.read_text() != "ok\n", 10)
         text = ready_file.read_text()
         assert f"node.kubeletPath is {kubelet}, but no kubelet serves there" in text, text
         assert "stays unready" in text

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import venv
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -96,13 +97,11 @@ def test_blocks_written_before_the_native_core_stay_valid(size: int) -> None:
             check_block(old, bytes(flipped))
 
 
-@pytest.mark.timeout(120)
-def test_the_gil_is_released_while_it_hashes() -> None:
-    """A Python thread runs only while the native call has the GIL released: with a switch interval of
-    minutes, a thread holding the GIL is never made to hand it over, so if the call kept it, the counting
-    thread, woken just before the call, could not run one line until the call returned and the main
-    thread went on to read the count."""
-    data = bytes(64 << 20)
+def python_ran_during(call: Callable[[], object]) -> bool:
+    """Whether a Python thread ran while `call()` (repeated up to 50 times) ran: it runs only while a native
+    call has the GIL released. With a switch interval of minutes, a thread holding the GIL is never made to
+    hand it over, so if the call kept it, the counting thread, woken just before the call, could not run
+    one line until the call returned and the main thread went on to read the count."""
     count = [0]
     go = threading.Event()
 
@@ -117,15 +116,22 @@ def test_the_gil_is_released_while_it_hashes() -> None:
     sys.setswitchinterval(300)
     try:
         go.set()
-        for _ in range(50):  # each call hashes for milliseconds; the thread wakes within far less
-            _core.xxh3_64_segments(data, SEGMENT)
+        for _ in range(50):  # each call works for milliseconds; the thread wakes within far less
+            call()
             if count[0]:
                 break
         counted = count[0]
     finally:
         sys.setswitchinterval(interval)
     thread.join(timeout=60)
-    assert counted > 0, "no Python code ran while pffs._core hashed 64 MiB: the GIL was held"
+    return counted > 0
+
+
+@pytest.mark.timeout(120)
+def test_the_gil_is_released_while_it_hashes() -> None:
+    data = bytes(64 << 20)
+    ran = python_ran_during(lambda: _core.xxh3_64_segments(data, SEGMENT))
+    assert ran, "no Python code ran while pffs._core hashed 64 MiB: the GIL was held"
 
 
 @pytest.mark.parametrize("direct", [False, True])
@@ -171,33 +177,11 @@ def test_a_block_file_is_read_and_verified_natively(direct: bool, tmp_path: Path
 
 @pytest.mark.timeout(120)
 def test_the_gil_is_released_while_a_block_file_is_read(tmp_path: Path) -> None:
-    """As for hashing: a Python thread woken just before the reads counts while they run."""
     payload = bytes(32 << 20)
     path = tmp_path / "block"
     path.write_bytes(pack_block(payload))
-    count = [0]
-    go = threading.Event()
-
-    def counter() -> None:
-        go.wait()
-        for _ in range(10_000):
-            count[0] += 1
-
-    interval = sys.getswitchinterval()
-    thread = threading.Thread(target=counter, daemon=True)
-    thread.start()
-    sys.setswitchinterval(300)
-    try:
-        go.set()
-        for _ in range(50):
-            read_block_file(str(path), len(payload))
-            if count[0]:
-                break
-        counted = count[0]
-    finally:
-        sys.setswitchinterval(interval)
-    thread.join(timeout=60)
-    assert counted > 0, "no Python code ran while pffs._core read a 32 MiB block: the GIL was held"
+    ran = python_ran_during(lambda: read_block_file(str(path), len(payload)))
+    assert ran, "no Python code ran while pffs._core read a 32 MiB block: the GIL was held"
 
 
 def test_a_checkout_without_the_native_core_says_how_to_build_it() -> None:
