@@ -200,7 +200,11 @@ def test_node_plugins_find_each_other_through_the_api_and_fetch_each_block_once(
     nodes[2].unstage()
     wait_for("n2 gone from the others' files", lambda: len(nodes[0].members()) == 2, timeout_s=10)
     core.delete_node("n1")
-    wait_for("n1 gone from the others' files", lambda: len(nodes[0].members()) == 1, timeout_s=10)
+    wait_for(
+        "n1 gone from the others' files",
+        lambda: len(nodes[0].members()) == 1 and len(reader.members()) == 1,  # each follows its own watch
+        timeout_s=10,
+    )
     assert reader.members() == nodes[0].members()
 
 
