@@ -22,7 +22,9 @@ and is never served.
 
 from __future__ import annotations
 
+import mmap
 import struct
+import threading
 
 from .aligned import ALIGN, aligned_buffer
 
@@ -107,10 +109,23 @@ def read_block_file(
 def read_block_range(
     path: str, start: int, end: int, header: Header | None = None, direct: bool = False
 ) -> tuple[bytes, Header]:
-    """Bytes [start, end) of a block file's payload, reading and verifying only the segments they lie in,
-    and the file's header (pass it back next time to skip reading it: a random read then costs one disk
-    read, not two)."""
-    return _core.read_block_range(path, start, end, header, direct)
+    """Bytes [start, end) of a block file's payload, reading and verifying only the segments they lie in
+    (into this thread's scratch buffer: no allocation per read), and the file's header (pass it back next
+    time to skip reading it: a random read then costs one disk read, not two)."""
+    scratch = _scratch(_core.block_range_room(start, end))
+    offset, count, header = _core.read_block_range_into(path, start, end, scratch, header, direct)
+    return bytes(scratch[offset : offset + count]), header
+
+
+_local = threading.local()
+
+
+def _scratch(size: int) -> memoryview:
+    """This thread's page-aligned read buffer, at least `size` bytes."""
+    buffer: mmap.mmap | None = getattr(_local, "buffer", None)
+    if buffer is None or len(buffer) < size:
+        buffer = _local.buffer = mmap.mmap(-1, max(1 << 20, -(-size // ALIGN) * ALIGN))
+    return memoryview(buffer)
 
 
 def is_intact(stored: bytes) -> bool:

@@ -40,8 +40,12 @@ def read_block_bytes(path: str, expected_length: int) -> bytes:
     """The block file at `path`, whose payload is `expected_length` bytes, as stored (the payload from
     block_header_size(expected_length) on, one byte of room after it), verified. Without the GIL."""
 
-def read_block_range(
-    path: str, start: int, end: int, header: BlockHeader | None = None, direct: bool = False
-) -> tuple[bytes, BlockHeader]:
-    """Bytes [start, end) of a block file's payload, verifying only the segments they lie in, and its
-    header. Without the GIL."""
+def block_range_room(start: int, end: int) -> int:
+    """The buffer a range read of [start, end) needs: the segments it lies in, in whole pages."""
+
+def read_block_range_into(
+    path: str, start: int, end: int, into: Buffer, header: BlockHeader | None = None, direct: bool = False
+) -> tuple[int, int, BlockHeader]:
+    """Bytes [start, end) of a block file's payload read into `into` (at least block_range_room(start,
+    end) bytes), verifying only the segments they lie in: (where in `into` they start, how many, the
+    file's header). Without the GIL."""

@@ -63,6 +63,19 @@ mod _core {
         })
     }
 
+    /// The address and length of a writable C-contiguous buffer, to read into without the GIL.
+    fn writable(into: &PyBuffer<u8>) -> PyResult<(usize, usize)> {
+        if into.readonly() {
+            return Err(PyBufferError::new_err(
+                "the buffer to read into is read-only",
+            ));
+        }
+        if !into.is_c_contiguous() {
+            return Err(PyBufferError::new_err("the buffer is not C-contiguous"));
+        }
+        Ok((into.buf_ptr() as usize, into.len_bytes()))
+    }
+
     fn block_error(err: BlockError) -> PyErr {
         match err {
             BlockError::Io(err) => err.into(), // FileNotFoundError and the rest, as Python's own
@@ -151,15 +164,7 @@ mod _core {
         expected_length: usize,
         direct: bool,
     ) -> PyResult<()> {
-        if into.readonly() {
-            return Err(PyBufferError::new_err(
-                "the buffer to read into is read-only",
-            ));
-        }
-        if !into.is_c_contiguous() {
-            return Err(PyBufferError::new_err("the buffer is not C-contiguous"));
-        }
-        let (address, len) = (into.buf_ptr() as usize, into.len_bytes());
+        let (address, len) = writable(&into)?;
         py.detach(move || {
             // SAFETY: `into` holds the exporter's writable buffer until it is dropped after this call
             // returns, so the `len` bytes at `address` stay allocated and in place. A Python thread using
@@ -208,26 +213,50 @@ mod _core {
         Ok(bytes)
     }
 
-    /// Bytes [start, end) of a block file's payload, verifying only the segments they lie in, and its
-    /// header (pass it back next time: one disk read instead of two). Without the GIL.
+    /// The buffer a range read of [start, end) needs: the segments it lies in, in whole pages.
     #[pyfunction]
-    #[pyo3(signature = (path, start, end, header=None, direct=false))]
-    fn read_block_range<'py>(
+    fn block_range_room(start: usize, end: usize) -> usize {
+        block_file::range_room(start, end)
+    }
+
+    /// Bytes [start, end) of a block file's payload read into `into` (a writable C-contiguous buffer of at
+    /// least block_range_room(start, end) bytes; page-aligned for `direct`), verifying only the segments
+    /// they lie in: (where in `into` they start, how many, the file's header). Pass the header back next
+    /// time: one disk read instead of two. Without the GIL.
+    #[pyfunction]
+    #[pyo3(signature = (path, start, end, into, header=None, direct=false))]
+    fn read_block_range_into<'py>(
         py: Python<'py>,
         path: PathBuf,
         start: usize,
         end: usize,
+        into: PyBuffer<u8>,
         header: Option<Bound<'py, BlockHeader>>,
         direct: bool,
-    ) -> PyResult<(Bound<'py, PyBytes>, Bound<'py, BlockHeader>)> {
+    ) -> PyResult<(usize, usize, Bound<'py, BlockHeader>)> {
+        let (address, len) = writable(&into)?;
         let known = header.as_ref().map(|h| h.get().header.clone());
-        let (data, read) = py
-            .detach(|| block_file::read_block_range(&path, start, end, known, direct))
+        let (offset, count, read) = py
+            .detach(move || {
+                // SAFETY: `into` holds the exporter's writable buffer until it is dropped after this call
+                // returns, so the `len` bytes at `address` stay allocated and in place.
+                unsafe {
+                    block_file::read_block_range_into_raw(
+                        &path,
+                        start,
+                        end,
+                        known,
+                        direct,
+                        address as *mut u8,
+                        len,
+                    )
+                }
+            })
             .map_err(block_error)?;
         let header = match header {
             Some(header) => header,
             None => Bound::new(py, BlockHeader { header: read })?,
         };
-        Ok((PyBytes::new(py, &data), header))
+        Ok((offset, count, header))
     }
 }

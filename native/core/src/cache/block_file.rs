@@ -330,16 +330,33 @@ unsafe fn read_full_raw(file: &File, ptr: *mut u8, len: usize, offset: u64) -> i
     Ok(filled)
 }
 
+/// The bytes of a block file's payload a range read needs in its buffer: the segments [start, end) lies in,
+/// in whole pages (so O_DIRECT can read them); a buffer of this size serves any header.
+pub fn range_room(start: usize, end: usize) -> usize {
+    if start >= end {
+        return 0;
+    }
+    ((end - 1) / SEGMENT + 1 - start / SEGMENT) * SEGMENT
+}
+
 /// Bytes [start, end) of a block file's payload (fewer past its end), reading and verifying only the
-/// segments they lie in, and the file's header: pass it back next time to skip reading it (a random read
-/// then costs one disk read, not two).
-pub fn read_block_range(
+/// segments they lie in, into the `len` bytes at `ptr` (at least range_room(start, end)): returns where in
+/// them the bytes start, how many there are, and the file's header (pass it back next time to skip reading
+/// it: a random read then costs one disk read, not two). `direct`: O_DIRECT, when `ptr` is page-aligned.
+/// The caller's buffer, not one of ours: a range read allocates nothing here but a header's first read.
+///
+/// # Safety
+/// `ptr` must be valid for writes of `len` bytes, and nothing else may use them during the call.
+pub unsafe fn read_block_range_into_raw(
     path: &Path,
     start: usize,
     end: usize,
     header: Option<Header>,
     direct: bool,
-) -> Result<(Vec<u8>, Header), BlockError> {
+    ptr: *mut u8,
+    len: usize,
+) -> Result<(usize, usize, Header), BlockError> {
+    let direct = direct && (ptr as usize) % PAGE == 0;
     let file = open_for_read(path, direct, true)?;
     let header = match header {
         Some(header) => header,
@@ -347,28 +364,48 @@ pub fn read_block_range(
     };
     let end = end.min(header.length);
     if start >= end {
-        return Ok((Vec::new(), header));
+        return Ok((0, 0, header));
     }
     let (first, last) = (start / SEGMENT, (end - 1) / SEGMENT);
     let want = header.length.min((last + 1) * SEGMENT) - first * SEGMENT;
-    let mut data = AlignedBuf::with_capacity(want);
-    let got = data.fill_from(&file, (header.size + first * SEGMENT) as u64)?;
-    if got < want {
-        return Err(corrupt(format!("block truncated: {got} of {want} bytes")));
+    let room = range_room(start, end);
+    if len < room {
+        return Err(BlockError::Io(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            "the buffer is smaller than the segments to read",
+        )));
     }
-    data.narrow(0, want);
-    check_segments(&header.digests, first, data.as_slice())?;
-    let offset = start - first * SEGMENT;
-    Ok((
-        data.as_slice()[offset..offset + end - start].to_vec(),
-        header,
-    ))
+    // SAFETY: the caller's promise for `len` >= `room` bytes; the slice covers only bytes pread wrote.
+    let data = unsafe {
+        let got = read_full_raw(&file, ptr, room, (header.size + first * SEGMENT) as u64)?;
+        if got < want {
+            return Err(corrupt(format!("block truncated: {got} of {want} bytes")));
+        }
+        std::slice::from_raw_parts(ptr, want)
+    };
+    check_segments(&header.digests, first, data)?;
+    Ok((start - first * SEGMENT, end - start, header))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use std::io::Write;
+
+    /// read_block_range_into_raw into a Vec of its own: the bytes, and the header.
+    fn read_block_range(
+        path: &Path,
+        start: usize,
+        end: usize,
+        header: Option<Header>,
+    ) -> Result<(Vec<u8>, Header), BlockError> {
+        let mut buf = vec![0u8; range_room(start, end)];
+        // SAFETY: `buf` is its own length of writable bytes.
+        let (offset, count, header) = unsafe {
+            read_block_range_into_raw(path, start, end, header, false, buf.as_mut_ptr(), buf.len())?
+        };
+        Ok((buf[offset..offset + count].to_vec(), header))
+    }
 
     fn payload(len: usize) -> Vec<u8> {
         (0..len).map(|i| (i * 131 % 251) as u8).collect()
@@ -408,10 +445,9 @@ mod tests {
             let mut buf = vec![0; stored.len() + 1];
             read_block_into(&path, &mut buf, len, false).unwrap();
             assert_eq!(&buf[header_size(len)..stored.len()], &data[..]);
-            let (part, header) =
-                read_block_range(&path, len / 3, len / 2 + 1, None, false).unwrap();
+            let (part, header) = read_block_range(&path, len / 3, len / 2 + 1, None).unwrap();
             assert_eq!(part, &data[len / 3..(len / 2 + 1).min(len)]);
-            let (again, _) = read_block_range(&path, 0, len, Some(header), false).unwrap();
+            let (again, _) = read_block_range(&path, 0, len, Some(header)).unwrap();
             assert_eq!(again, data);
         }
         std::fs::remove_dir_all(dir).unwrap();
