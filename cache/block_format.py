@@ -23,7 +23,6 @@ and is never served.
 from __future__ import annotations
 
 import mmap
-import struct
 import threading
 
 from .aligned import ALIGN, aligned_buffer
@@ -35,10 +34,6 @@ except ImportError as exc:  # a checkout whose native core was never built (or b
         f"pffs's native core (pffs._core) is not built: {exc}. Build it with `make setup` or `pip install .` "
         "(both need Rust's cargo, from rustup, on PATH)"
     ) from exc
-
-MAGIC = b"PFB3"
-FIXED = struct.Struct("<4sQI")  # magic, payload length, segment count
-SEGMENT = 32 << 10
 
 # Raised for a block file that is not one of ours, whole: a ValueError.
 CorruptBlockError = _core.CorruptBlockError
@@ -93,8 +88,9 @@ def read_block_file(
     path: str, expected_length: int | None = None, direct: bool = False
 ) -> bytes | memoryview:
     """The verified payload of a block file (FileNotFoundError if there is none), read in one native call
-    without the GIL into a page-aligned buffer of ours (a view past the header: no copy); its header first
-    if the length is not given. `direct`: O_DIRECT, around the page cache."""
+    without the GIL into a buffer of ours (a view past the header: no copy): a bytes object, or a
+    page-aligned buffer with `direct` (O_DIRECT, around the page cache). Its header is read first if the
+    length is not given."""
     if expected_length is None:
         expected_length = _core.block_payload_length(path)
     size = header_size(expected_length)
@@ -131,6 +127,6 @@ def _scratch(size: int) -> memoryview:
 def is_intact(stored: bytes) -> bool:
     try:
         unpack_block(stored)
-    except (CorruptBlockError, struct.error):
+    except CorruptBlockError:
         return False
     return True

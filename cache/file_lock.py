@@ -40,14 +40,14 @@ POLL_FIRST_S = 0.0005
 POLL_MAX_S = 0.01
 
 
-def _poll(try_once: Callable[[], bool], wait_s: float | None) -> bool:
-    """Calls `try_once` until it returns True (then True) or `wait_s` has passed (then False; None: never)."""
+def _poll(try_once: Callable[[], bool], wait_s: float) -> bool:
+    """Calls `try_once` until it returns True (then True) or `wait_s` has passed (then False)."""
     if try_once():
         return True
-    end = None if wait_s is None else time.monotonic() + wait_s
+    end = time.monotonic() + wait_s
     pause = POLL_FIRST_S
-    while end is None or time.monotonic() < end:
-        time.sleep(pause if end is None else max(0.0, min(pause, end - time.monotonic())))
+    while time.monotonic() < end:
+        time.sleep(max(0.0, min(pause, end - time.monotonic())))
         if try_once():
             return True
         pause = min(pause * 2, POLL_MAX_S)

@@ -22,9 +22,6 @@ import xxhash
 
 from pffs import _core
 from pffs.cache.block_format import (
-    FIXED,
-    MAGIC,
-    SEGMENT,
     CorruptBlockError,
     check_block,
     header_size,
@@ -35,6 +32,11 @@ from pffs.cache.block_format import (
 )
 
 REPO = Path(__file__).resolve().parents[1]
+# The block layout as block_format wrote it in Python before the native core: magic, payload length,
+# segment count, then one xxh3-64 per segment.
+MAGIC = b"PFB3"
+FIXED = struct.Struct("<4sQI")
+SEGMENT = 32 << 10
 SIZES = [0, 1, 3, 16, 17, 128, 129, 240, 241, 4095, 4097, SEGMENT - 1, SEGMENT, SEGMENT + 1, 100_003]
 
 

@@ -129,14 +129,12 @@ pub fn check_segments(digests: &[u64], first: usize, data: &[u8]) -> Result<(), 
     Ok(())
 }
 
-/// A page-aligned buffer of bytes (O_DIRECT reads into it), viewed from `start`. Not zeroed: only the
+/// A page-aligned buffer of bytes (O_DIRECT reads into it), for a block file's header. Not zeroed: only the
 /// bytes a read filled are ever looked at.
 struct AlignedBuf {
     ptr: NonNull<u8>,
     capacity: usize,
     filled: usize,
-    start: usize,
-    len: usize,
 }
 
 // SAFETY: the buffer is owned memory with no interior mutability; moving or sharing it between threads is
@@ -156,32 +154,22 @@ impl AlignedBuf {
             ptr,
             capacity,
             filled: 0,
-            start: 0,
-            len: 0,
         }
     }
 
-    /// Fills the buffer from `offset` of `file` until it is full or the file ends, and views what was
-    /// read; returns its length.
-    fn fill_from(&mut self, file: &File, offset: u64) -> io::Result<usize> {
-        // SAFETY: `capacity` bytes are allocated at `ptr`; a slice is formed later only over the bytes
-        // pread wrote.
-        let filled = unsafe { read_full_raw(file, self.ptr.as_ptr(), self.capacity, offset)? };
-        self.filled = filled;
-        self.narrow(0, filled);
-        Ok(filled)
+    /// Fills the buffer from the start of `file` until it is full or the file ends; returns the bytes
+    /// read.
+    fn fill_from(&mut self, file: &File) -> io::Result<usize> {
+        // SAFETY: `capacity` bytes are allocated at `ptr`; a slice is formed only over the bytes pread
+        // wrote (as_slice).
+        self.filled = unsafe { read_full_raw(file, self.ptr.as_ptr(), self.capacity, 0)? };
+        Ok(self.filled)
     }
 
-    /// Views bytes [start, start + len) of what was read from now on.
-    fn narrow(&mut self, start: usize, len: usize) {
-        assert!(start + len <= self.filled, "view past the bytes read");
-        self.start = start;
-        self.len = len;
-    }
-
+    /// The bytes read.
     fn as_slice(&self) -> &[u8] {
-        // SAFETY: start + len <= filled (narrow): bytes pread wrote.
-        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr().add(self.start), self.len) }
+        // SAFETY: the first `filled` bytes are those pread wrote.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.filled) }
     }
 }
 
@@ -222,7 +210,7 @@ fn open_for_read(path: &Path, direct: bool, random: bool) -> io::Result<File> {
 /// The header of an open block file. Reads whole pages into an aligned buffer: works with O_DIRECT.
 fn read_header(file: &File) -> Result<Header, BlockError> {
     let mut head = AlignedBuf::with_capacity(FIRST_READ);
-    let got = head.fill_from(file, 0)?;
+    let got = head.fill_from(file)?;
     let mut bytes = head.as_slice();
     let length = if got >= FIXED {
         u64::from_le_bytes(bytes[4..12].try_into().expect("8 bytes")) as usize
@@ -236,7 +224,7 @@ fn read_header(file: &File) -> Result<Header, BlockError> {
     let mut longer;
     if size > got && got == FIRST_READ {
         longer = AlignedBuf::with_capacity(size);
-        longer.fill_from(file, 0)?;
+        longer.fill_from(file)?;
         bytes = longer.as_slice();
     }
     parse_header(&bytes[..bytes.len().min(size)])
