@@ -18,6 +18,34 @@ from pffs.testing.s3_server import SeaweedS3, find_weed
 REQUIRE_SERVERS = os.environ.get("PFFS_REQUIRE_SERVERS") == "1"
 
 
+def _room_over_cache_reserve() -> tuple[float, float]:
+    """(GiB free where the tests' caches live, GiB of that the disk tier's default reserve keeps free)."""
+    import tempfile
+
+    from pffs.config import CacheSettings
+
+    fs = os.statvfs(tempfile.gettempdir())
+    share = CacheSettings().cache_free_space
+    return fs.f_bavail * fs.f_frsize / 2**30, share * fs.f_blocks * fs.f_frsize / 2**30
+
+
+def pytest_report_header() -> str:
+    free, reserve = _room_over_cache_reserve()
+    return f"temp file system: {free:.1f} GiB free, of which the disk cache's reserve keeps {reserve:.1f} GiB"
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    # Below the reserve the disk tier stores nothing (as it should): say so, or the failures it causes (no
+    # disk hits) look like a cache bug.
+    free, reserve = _room_over_cache_reserve()
+    if free < reserve + 2:
+        terminalreporter.write_line(
+            f"the temp file system has {free:.1f} GiB free, near the disk cache's reserve of {reserve:.1f} GiB: "
+            "disk-tier tests fail there; free space and run again",
+            red=True,
+        )
+
+
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedS3]:
     if find_weed() is None:
