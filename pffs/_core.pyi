@@ -49,3 +49,34 @@ def read_block_range_into(
     """Bytes [start, end) of a block file's payload read into `into` (at least block_range_room(start,
     end) bytes), verifying only the segments they lie in: (where in `into` they start, how many, the
     file's header). Without the GIL."""
+
+class S3NotHandled(Exception):
+    """Something the native S3 client does not do: the caller goes through another client."""
+
+class S3ErrorAnswer(Exception):
+    """An S3 error answer: args (status, body)."""
+
+class S3ObjectChanged(Exception):
+    """The object's ETag is no longer the one asked for."""
+
+class S3Client:
+    """S3 ranged GETs (native/core/src/backends/s3_get.rs) for one region: signing keys are kept,
+    keep-alive connections are per OS thread (and made anew in a forked child)."""
+
+    def __init__(self, region: str) -> None: ...
+    def get(
+        self,
+        endpoint: tuple[str, str, int, str],
+        key: str,
+        start: int,
+        into: Buffer,
+        etag: str | None,
+        version_id: str | None,
+        credentials: tuple[str, str, str | None] | None,
+        timeouts: tuple[float, float, float | None],
+    ) -> None:
+        """Fills `into` with bytes [start, start + len(into)) of `key`, without the GIL. `endpoint`: (Host
+        header, host to connect to, port, path prefix); `credentials`: (access key, secret key, session
+        token) or None (unsigned); `timeouts`: (connect, read: the longest wait each, seconds; what is left
+        of the call's deadline, or None). Raises S3NotHandled, S3ErrorAnswer(status, body),
+        S3ObjectChanged or an OSError (ETIMEDOUT, ECONNRESET, ECONNREFUSED, EIO, ...)."""

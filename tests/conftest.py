@@ -40,8 +40,8 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
     free, reserve = _room_over_cache_reserve()
     if free < reserve + 2:
         terminalreporter.write_line(
-            f"the temp file system has {free:.1f} GiB free, near the disk cache's reserve of {reserve:.1f} GiB: "
-            "disk-tier tests fail there; free space and run again",
+            f"the temp file system has {free:.1f} GiB free, near the disk cache's reserve of "
+            f"{reserve:.1f} GiB: disk-tier tests fail there; free space and run again",
             red=True,
         )
 

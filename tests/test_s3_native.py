@@ -4,6 +4,10 @@ the same bytes as s3fs, version pinning, errors, reconnection after the server r
 from __future__ import annotations
 
 import calendar
+import contextlib
+import os
+import socket
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -14,8 +18,9 @@ from helpers import pattern, sha256
 
 from pffs.backends import ObjectChangedError
 from pffs.backends.backend import S3Backend
+from pffs.backends.deadline import deadline
 from pffs.backends.options import BackendOptions
-from pffs.backends.s3_native import Credentials, SigV4
+from pffs.backends.s3_native import Credentials, NativeS3Getter, SigV4
 from pffs.backends.urls import open_backend
 from pffs.testing.s3_server import SeaweedS3
 
@@ -60,6 +65,70 @@ def test_native_gets_read_the_same_bytes_as_s3fs(raw_s3: Any, bucket: str, s3_se
     assert native.requests.snapshot()["get"]["requests"] == len(ranges)
     into = memoryview(bytearray(100))
     assert native.read_range(info, 5, 105, into=into) is into and bytes(into) == data[5:105]
+
+
+def test_http_gets_are_the_native_cores_and_survive_a_fork(
+    raw_s3: Any, bucket: str, s3_server: SeaweedS3, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Over http a GET is native/core/src/backends/s3_get.rs's (the Python wire code is never reached),
+    and a child forked after the parent kept a connection makes its own: both read exact bytes."""
+    data = pattern(5 * 1024 * 1024 + 3, seed=41)
+    raw_s3.pipe(f"{bucket}/fork/k", data)
+    backend = _backend(s3_server, True)
+    info = backend.stat(f"{bucket}/fork/k")
+
+    def no_python_wire(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("the GET went through the Python client")
+
+    monkeypatch.setattr(NativeS3Getter, "_exchange", staticmethod(no_python_wire))
+    assert sha256(bytes(backend.read_range(info, 0, len(data)))) == sha256(data)  # keeps its connection
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its own connection, exact bytes
+        ok = sha256(bytes(backend.read_range(info, 7, len(data)))) == sha256(data[7:])
+        os.write(write, b"1" if ok else b"0")
+        os._exit(0)
+    os.close(write)
+    assert os.read(read, 1) == b"1", "the forked child read wrong bytes or failed"
+    os.waitpid(pid, 0)
+    os.close(read)
+    assert sha256(bytes(backend.read_range(info, 1, len(data) - 1))) == sha256(data[1:-1])
+
+
+def test_a_native_get_from_a_server_that_never_answers_ends_at_the_deadline() -> None:
+    """Connections accepted, never answered (a frozen gateway): the GET ends with TimeoutError when the
+    call's deadline says, not at the read timeout."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        listener.settimeout(0.2)
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                held.append(listener.accept()[0])
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    try:
+        port = listener.getsockname()[1]
+        getter = NativeS3Getter(
+            lambda bucket: f"http://127.0.0.1:{port}/{bucket}/",
+            "us-east-1",
+            lambda: Credentials("AKIA", "secret"),
+            connect_timeout=5,
+            read_timeout=60,
+        )
+        began = time.monotonic()
+        with deadline(1.5), pytest.raises(TimeoutError):
+            getter.get("b", "k", 0, memoryview(bytearray(10)))
+        assert 1.4 < time.monotonic() - began < 10
+    finally:
+        stop.set()
+        thread.join()
+        listener.close()
+        for sock in held:
+            sock.close()
 
 
 def test_native_gets_stay_pinned_to_the_version_opened(

@@ -62,6 +62,12 @@ def deadline(seconds: float | None) -> Iterator[float | None]:
         _current.at = previous
 
 
+def time_left() -> float | None:
+    """Seconds until this thread's deadline (negative once past), or None if there is none."""
+    at: float | None = getattr(_current, "at", None)
+    return None if at is None else at - time.monotonic()
+
+
 def timeout_left(default: float) -> float:
     """A socket or request timeout for the next wait: ``default``, or less if the deadline is nearer (at
     least 1 ms, so a past deadline still times out at once rather than blocking)."""

@@ -7,9 +7,13 @@ event-loop thread, the body arriving as a list of chunks that are joined at the 
 request here, more than the transfer of a 128 KiB file. A block fetch needs much less: one GET of a known
 key with a Range, pinned to a version, read into a buffer of known size. This client does just that: SigV4
 signing in a few lines, one keep-alive HTTP/1.1 connection per thread (blocking sockets, no event loop),
-and the body received straight into the caller's buffer (`recv_into`: no chunks, no join, the GIL released
-while waiting). An upload's body goes from the local file to the socket with `sendfile` (no copy through
-Python), its Content-MD5 hashed from a memory map of the same bytes (the GIL released), so several parts
+and the body received straight into the caller's buffer (no chunks, no join). Over plain http the GET is
+the native core's (native/core/src/backends/s3_get.rs: the same design in Rust, signed and received
+without the GIL, a third of this module's CPU per small GET); over https it is this module's, with
+Python's `ssl` (the core has no TLS yet).
+
+An upload's body goes from the local file to the socket with `sendfile` (no copy through Python), its
+Content-MD5 hashed from a memory map of the same bytes (the GIL released), so several parts
 go out at once on several threads; the server refuses a part whose bytes do not match it.
 
 It learns from the s3fs client it sits beside everything that decides where a request goes and who signs
@@ -42,7 +46,8 @@ from typing import Any
 from urllib.parse import quote, urlsplit
 from xml.sax.saxutils import escape, unescape
 
-from pffs.backends.deadline import timeout_left
+from pffs import _core
+from pffs.backends.deadline import time_left, timeout_left
 from pffs.backends.errors import ObjectChangedError
 
 EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
@@ -189,6 +194,7 @@ class NativeS3Getter:
     ) -> None:
         self._base_url_of = base_url_of  # bucket -> its base URL (asks botocore, once per bucket)
         self._signer = SigV4(region)
+        self._native = _core.S3Client(region)
         self._credentials = credentials
         self._creds: Credentials | None = None
         self._creds_at = -CREDENTIALS_REFRESH_S
@@ -227,6 +233,10 @@ class NativeS3Getter:
     ) -> None:
         """Fills `into` with bytes [start, start+len(into)) of the object, of the version given by
         `version_id` or `etag` (ObjectChangedError if it is gone)."""
+        endpoint = self._endpoint(bucket)
+        if endpoint.scheme == "http":
+            self._native_get(endpoint, key, start, into, etag, version_id)
+            return
         query = f"versionId={quote(version_id, safe='~')}" if version_id else ""
         headers = {"range": f"bytes={start}-{start + len(into) - 1}"}
         if etag and not version_id:
@@ -244,6 +254,35 @@ class NativeS3Getter:
             self._forget(endpoint)
             raise
         self._keep_or_close(endpoint, connection, response)
+
+    def _native_get(
+        self,
+        endpoint: BucketEndpoint,
+        key: str,
+        start: int,
+        into: memoryview,
+        etag: str | None,
+        version_id: str | None,
+    ) -> None:
+        creds = self._current_credentials()
+        try:
+            self._native.get(
+                (endpoint.host, endpoint.connect_host, endpoint.port, endpoint.path_prefix),
+                key,
+                start,
+                into,
+                etag,
+                version_id,
+                (creds.access_key, creds.secret_key, creds.token) if creds is not None else None,
+                (self.connect_timeout, self.read_timeout, time_left()),
+            )
+        except _core.S3ErrorAnswer as answer:
+            status, body = answer.args
+            _raise_for(status, body)
+        except _core.S3NotHandled as exc:
+            raise NotHandled(str(exc)) from None
+        except _core.S3ObjectChanged:
+            raise ObjectChangedError("") from None  # the caller names the URL
 
     def head(self, bucket: str, key: str) -> dict[str, Any]:
         """The object's HEAD, in the shape of botocore's head_object answer (ContentLength, ETag,

@@ -1,7 +1,8 @@
 //! pffs's native data plane, without Python: the binding crate (`../python`) exposes to Python only what
 //! Python calls. Its folders follow DESIGN.md's layers (`fuse/` → `vfs/` → `cache/` → `backends/`); the
-//! first piece in is the cache's checksum.
+//! pieces in are the cache's block files and S3's ranged GET.
 
+pub mod backends;
 pub mod cache;
 
 /// A digest of native/'s sources, which setup.py sets: cargo rebuilds a crate when a variable it reads at

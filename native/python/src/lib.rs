@@ -14,20 +14,45 @@ pyo3::create_exception!(
     "A block file that is truncated, too long, bit-flipped or not in pffs's layout: never served."
 );
 
+// What an S3 GET can end in besides the network's OSErrors (pffs/backends/s3_native.py names them).
+pyo3::create_exception!(
+    _core,
+    S3NotHandled,
+    pyo3::exceptions::PyException,
+    "Something the native S3 client does not do: the caller goes through another client."
+);
+pyo3::create_exception!(
+    _core,
+    S3ErrorAnswer,
+    pyo3::exceptions::PyException,
+    "An S3 error answer: args (status, body)."
+);
+pyo3::create_exception!(
+    _core,
+    S3ObjectChanged,
+    pyo3::exceptions::PyException,
+    "The object's ETag is no longer the one asked for."
+);
+
 #[pymodule]
 mod _core {
     use std::path::PathBuf;
 
+    use std::time::{Duration, Instant};
+
+    use pffs_core::backends::s3_get::{self, GetError};
     use pffs_core::cache::block_file::{self, BlockError, Header};
     use pffs_core::cache::checksum::segment_digests;
     use pyo3::buffer::PyBuffer;
-    use pyo3::exceptions::{PyBufferError, PyValueError};
+    use pyo3::exceptions::{PyBufferError, PyOSError, PyValueError};
     use pyo3::ffi;
     use pyo3::prelude::*;
     use pyo3::types::PyBytes;
 
     #[pymodule_export]
     use super::CorruptBlockError;
+    #[pymodule_export]
+    use super::{S3ErrorAnswer, S3NotHandled, S3ObjectChanged};
 
     /// Below this many bytes, hashing (a few microseconds) costs less than giving the GIL up and waiting
     /// to get it back while other threads want it.
@@ -258,5 +283,91 @@ mod _core {
             None => Bound::new(py, BlockHeader { header: read })?,
         };
         Ok((offset, count, header))
+    }
+
+    /// S3 ranged GETs (pffs_core::backends::s3_get) for one region: signing keys are kept, connections
+    /// are per OS thread.
+    #[pyclass(frozen)]
+    struct S3Client {
+        signer: s3_get::Signer,
+    }
+
+    #[pymethods]
+    impl S3Client {
+        #[new]
+        fn new(region: &str) -> Self {
+            S3Client {
+                signer: s3_get::Signer::new(region),
+            }
+        }
+
+        /// Fills `into` (a writable C-contiguous buffer) with bytes [start, start + len(into)) of `key`,
+        /// without the GIL. `endpoint`: (Host header, host to connect to, port, path prefix);
+        /// `credentials`: (access key, secret key, session token) or None (unsigned); `timeouts`: (connect,
+        /// read: the longest wait each, seconds; what is left of the call's deadline, seconds, or None).
+        /// Raises S3NotHandled, S3ErrorAnswer(status, body), S3ObjectChanged or an OSError (ETIMEDOUT,
+        /// ECONNRESET, ECONNREFUSED, EIO, ...).
+        #[pyo3(signature = (endpoint, key, start, into, etag, version_id, credentials, timeouts))]
+        #[allow(clippy::too_many_arguments)]
+        fn get(
+            &self,
+            py: Python<'_>,
+            endpoint: (String, String, u16, String),
+            key: &str,
+            start: u64,
+            into: PyBuffer<u8>,
+            etag: Option<&str>,
+            version_id: Option<&str>,
+            credentials: Option<(String, String, Option<String>)>,
+            timeouts: (f64, f64, Option<f64>),
+        ) -> PyResult<()> {
+            let (address, len) = writable(&into)?;
+            let seconds = |s: f64| Duration::try_from_secs_f64(s.max(0.0)).unwrap_or(Duration::MAX);
+            let (connect, read, left) = timeouts;
+            let now = Instant::now();
+            let request = s3_get::Get {
+                endpoint: s3_get::Endpoint {
+                    host: &endpoint.0,
+                    connect_host: &endpoint.1,
+                    port: endpoint.2,
+                    path_prefix: &endpoint.3,
+                },
+                key,
+                start,
+                etag,
+                version_id,
+                credentials: credentials.as_ref().map(|(a, s, t)| s3_get::Credentials {
+                    access_key: a,
+                    secret_key: s,
+                    token: t.as_deref(),
+                }),
+                timeouts: s3_get::Timeouts {
+                    connect: seconds(connect),
+                    read: seconds(read),
+                    deadline: left.map(|l| now + seconds(l)),
+                },
+            };
+            let outcome = py.detach(|| {
+                // SAFETY: `into` holds the exporter's writable buffer until it is dropped after this call
+                // returns, so the `len` bytes at `address` stay allocated and in place; a Python thread
+                // using them meanwhile races with the read (as with recv_into), never a wild access.
+                let buf = unsafe { std::slice::from_raw_parts_mut(address as *mut u8, len) };
+                s3_get::get(&self.signer, &request, buf)
+            });
+            outcome.map_err(|err| match err {
+                GetError::NotHandled(why) => S3NotHandled::new_err(why),
+                GetError::Answer { status, body } => {
+                    S3ErrorAnswer::new_err((status, PyBytes::new(py, &body).unbind()))
+                }
+                GetError::Changed => S3ObjectChanged::new_err(()),
+                GetError::Io { errno, message } => os_error(errno, message),
+            })
+        }
+    }
+
+    /// An OSError of the subclass its errno names (OSError's constructor picks it: ETIMEDOUT makes a
+    /// TimeoutError, ECONNRESET a ConnectionResetError), as Python's own socket calls raise.
+    fn os_error(errno: i32, message: String) -> PyErr {
+        PyOSError::new_err((errno, message))
     }
 }
