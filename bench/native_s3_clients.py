@@ -15,7 +15,11 @@ GETs alone, from getrusage, every thread):
     rust_object_store  bench/native_s3/ `--client object_store`: the Arrow project's object_store (aws
                        feature: reqwest, hyper, rustls) on a multi-thread tokio runtime with 8 workers and
                        8 tasks, each body's chunks copied into its buffer
-    py_pffs            pffs's current client, pffs.backends.s3_native.NativeS3Getter, 8 threads
+    py_pffs            pffs's client, pffs.backends.s3_native.NativeS3Getter, 8 threads: since issue 44's
+                       native S3 step its GETs over http are the native core's (s3_get.rs, called from
+                       Python with the GIL released)
+    py_pffs_sockets    the same with native_http=False: its Python sockets (what https still uses, and
+                       what every GET was before)
     py_botocore        botocore's get_object (boto3's client is botocore's), 8 threads, the body read whole
 The AWS CRT client (mountpoint-s3-client) is not built: its -sys crate generates its bindings with bindgen,
 which needs libclang, and this machine has none (docs/design/native_s3_clients.md says more).
@@ -71,7 +75,7 @@ REGION = "us-east-1"
 MiB = 1 << 20
 GiB = 1 << 30
 RUST_CLIENTS = {"rust_hand": "hand", "rust_object_store": "object_store"}  # name -> cargo feature
-PY_CLIENTS = ("py_pffs", "py_botocore")
+PY_CLIENTS = ("py_pffs", "py_pffs_sockets", "py_botocore")
 CLIENTS = (*RUST_CLIENTS, *PY_CLIENTS)
 WORKLOADS = ("small", "large_whole", "large_ranged")
 UNITS = {
@@ -132,12 +136,19 @@ def py_phase(client: str) -> int:
     spec, jobs = parse_request(sys.stdin.read())
     threads = int(spec["threads"])
     buffers = [touched(length) for _, _, length in jobs]
-    if client == "py_pffs":
+    if client in ("py_pffs", "py_pffs_sockets"):
         from pffs.backends.s3_native import Credentials, NativeS3Getter
 
         creds = Credentials(spec["access_key"], spec["secret_key"])
         base = spec["endpoint"].rstrip("/")
-        getter = NativeS3Getter(lambda bucket: f"{base}/{bucket}/", REGION, lambda: creds, 10.0, 60.0)
+        getter = NativeS3Getter(
+            lambda bucket: f"{base}/{bucket}/",
+            REGION,
+            lambda: creds,
+            10.0,
+            60.0,
+            native_http=client == "py_pffs",
+        )
 
         def get(i: int) -> bytes | bytearray:
             key, start, _ = jobs[i]
@@ -425,6 +436,7 @@ def plot(report: Result, path: Path) -> None:
         "rust_hand": "tab:green",
         "rust_object_store": "tab:blue",
         "py_pffs": "tab:olive",
+        "py_pffs_sockets": "tab:brown",
         "py_botocore": "tab:gray",
     }
     cfg = report["config"]

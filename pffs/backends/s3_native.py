@@ -191,10 +191,13 @@ class NativeS3Getter:
         credentials: Callable[[], Credentials | None],
         connect_timeout: float,
         read_timeout: float,
+        native_http: bool = True,
     ) -> None:
+        """`native_http`: GETs over http through the native core (False: this module's sockets, as over
+        https; bench/native_s3_clients.py compares the two)."""
         self._base_url_of = base_url_of  # bucket -> its base URL (asks botocore, once per bucket)
         self._signer = SigV4(region)
-        self._native = _core.S3Client(region)
+        self._native = _core.S3Client(region) if native_http else None
         self._credentials = credentials
         self._creds: Credentials | None = None
         self._creds_at = -CREDENTIALS_REFRESH_S
@@ -234,8 +237,8 @@ class NativeS3Getter:
         """Fills `into` with bytes [start, start+len(into)) of the object, of the version given by
         `version_id` or `etag` (ObjectChangedError if it is gone)."""
         endpoint = self._endpoint(bucket)
-        if endpoint.scheme == "http":
-            self._native_get(endpoint, key, start, into, etag, version_id)
+        if endpoint.scheme == "http" and self._native is not None:
+            self._native_get(self._native, endpoint, key, start, into, etag, version_id)
             return
         query = f"versionId={quote(version_id, safe='~')}" if version_id else ""
         headers = {"range": f"bytes={start}-{start + len(into) - 1}"}
@@ -257,6 +260,7 @@ class NativeS3Getter:
 
     def _native_get(
         self,
+        client: _core.S3Client,
         endpoint: BucketEndpoint,
         key: str,
         start: int,
@@ -266,7 +270,7 @@ class NativeS3Getter:
     ) -> None:
         creds = self._current_credentials()
         try:
-            self._native.get(
+            client.get(
                 (endpoint.host, endpoint.connect_host, endpoint.port, endpoint.path_prefix),
                 key,
                 start,
