@@ -48,6 +48,7 @@ class BlockCache:
         `keep_stored_bound`: the disk tier keeps the bound it was last given (see DiskTier).
         `free_space_ratio`: the share of its file system the disk tier leaves free (see DiskTier)."""
         self.directory = Path(directory) if directory is not None else None
+        self.direct_io = direct_io
         self.disk: DiskTier | None = None
         self.locks: BlockLocks | StripedFileLocks | None = None
         if self.directory is not None:

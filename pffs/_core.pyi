@@ -80,3 +80,16 @@ class S3Client:
         token) or None (unsigned); `timeouts`: (connect, read: the longest wait each, seconds; what is left
         of the call's deadline, or None). Raises S3NotHandled, S3ErrorAnswer(status, body),
         S3ObjectChanged or an OSError (ETIMEDOUT, ECONNRESET, ECONNREFUSED, EIO, ...)."""
+    def get_bytes(
+        self,
+        endpoint: tuple[str, str, int, str],
+        key: str,
+        start: int,
+        length: int,
+        etag: str | None,
+        version_id: str | None,
+        credentials: tuple[str, str, str | None] | None,
+        timeouts: tuple[float, float, float | None],
+    ) -> bytes:
+        """As get, into a new bytes object of `length` bytes (never zeroed first: every byte is received
+        before it is returned)."""

@@ -446,12 +446,13 @@ class S3Backend(Backend):
             bucket, key = self._split(info.path)
 
             def read_native() -> Block:
-                buffer = into if into is not None else memoryview(bytearray(end - start))
                 try:
-                    native.get(bucket, key, start, buffer, etag=info.etag, version_id=info.version_id)
+                    if into is None:
+                        return native.get_bytes(bucket, key, start, end - start, info.etag, info.version_id)
+                    native.get(bucket, key, start, into, etag=info.etag, version_id=info.version_id)
                 except ObjectChangedError:
                     raise ObjectChangedError(self.url(info.path)) from None
-                return buffer
+                return into
 
             try:
                 return self._call("get", read_native, info.path)

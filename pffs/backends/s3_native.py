@@ -42,13 +42,15 @@ import time
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import quote, urlsplit
 from xml.sax.saxutils import escape, unescape
 
 from pffs import _core
 from pffs.backends.deadline import time_left, timeout_left
 from pffs.backends.errors import ObjectChangedError
+
+T = TypeVar("T")
 
 EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
 UNSIGNED_PAYLOAD = "UNSIGNED-PAYLOAD"  # a body the signature does not cover (its Content-MD5 does)
@@ -237,8 +239,12 @@ class NativeS3Getter:
         """Fills `into` with bytes [start, start+len(into)) of the object, of the version given by
         `version_id` or `etag` (ObjectChangedError if it is gone)."""
         endpoint = self._endpoint(bucket)
-        if endpoint.scheme == "http" and self._native is not None:
-            self._native_get(self._native, endpoint, key, start, into, etag, version_id)
+        native = self._native
+        if endpoint.scheme == "http" and native is not None:
+            where = (endpoint.host, endpoint.connect_host, endpoint.port, endpoint.path_prefix)
+            self._native_call(
+                lambda creds, timeouts: native.get(where, key, start, into, etag, version_id, creds, timeouts)
+            )
             return
         query = f"versionId={quote(version_id, safe='~')}" if version_id else ""
         headers = {"range": f"bytes={start}-{start + len(into) - 1}"}
@@ -258,31 +264,46 @@ class NativeS3Getter:
             raise
         self._keep_or_close(endpoint, connection, response)
 
-    def _native_get(
+    def get_bytes(
         self,
-        client: _core.S3Client,
-        endpoint: BucketEndpoint,
+        bucket: str,
         key: str,
         start: int,
-        into: memoryview,
-        etag: str | None,
-        version_id: str | None,
-    ) -> None:
+        length: int,
+        etag: str | None = None,
+        version_id: str | None = None,
+    ) -> bytes | memoryview:
+        """Bytes [start, start+length) of the object, as `get` reads them, in a buffer of their own: over
+        http a bytes object the native core fills (never zeroed first, and a block that needs no copy
+        to be returned whole)."""
+        endpoint = self._endpoint(bucket)
+        native = self._native
+        if endpoint.scheme == "http" and native is not None:
+            where = (endpoint.host, endpoint.connect_host, endpoint.port, endpoint.path_prefix)
+            return self._native_call(
+                lambda creds, timeouts: native.get_bytes(
+                    where, key, start, length, etag, version_id, creds, timeouts
+                )
+            )
+        into = memoryview(bytearray(length))
+        self.get(bucket, key, start, into, etag, version_id)
+        return into
+
+    def _native_call(
+        self,
+        call: Callable[[tuple[str, str, str | None] | None, tuple[float, float, float | None]], T],
+    ) -> T:
+        """`call(credentials, timeouts)` into the native core, its errors named as this module names them."""
         creds = self._current_credentials()
         try:
-            client.get(
-                (endpoint.host, endpoint.connect_host, endpoint.port, endpoint.path_prefix),
-                key,
-                start,
-                into,
-                etag,
-                version_id,
+            return call(
                 (creds.access_key, creds.secret_key, creds.token) if creds is not None else None,
                 (self.connect_timeout, self.read_timeout, time_left()),
             )
         except _core.S3ErrorAnswer as answer:
             status, body = answer.args
             _raise_for(status, body)
+            raise  # (_raise_for always raises)
         except _core.S3NotHandled as exc:
             raise NotHandled(str(exc)) from None
         except _core.S3ObjectChanged:

@@ -133,10 +133,15 @@ class ObjectReader:
         )
 
     def _fetch(self, info: ObjectInfo, start: int, end: int, key: str | None = None) -> Block:
+        peers = self.peers if key is not None else None
+        if not self.cache.direct_io and peers is None:
+            # A buffer of the backend's own (a bytes object the native S3 client fills, not zeroed first):
+            # a whole-block read returns it without a copy. Zeroing a buffer, then copying the block out
+            # of it, cost a quarter of the GIL a cold small-file read holds (py-spy).
+            return self.backend.read_range(info, start, end)
         # Into a page-aligned buffer, which the disk tier writes with O_DIRECT.
         into = aligned_buffer(end - start)
-        peers = self.peers
-        if key is not None and peers is not None and peers.fetch(peers.request(key, info, start, end), into):
+        if peers is not None and key is not None and peers.fetch(peers.request(key, info, start, end), into):
             return into
         return self.backend.read_range(info, start, end, into=into)
 

@@ -211,16 +211,7 @@ mod _core {
         expected_length: usize,
     ) -> PyResult<Bound<'_, PyBytes>> {
         let len = block_file::header_size(expected_length) + expected_length + 1;
-        let size =
-            ffi::Py_ssize_t::try_from(len).map_err(|_| PyValueError::new_err("block too long"))?;
-        // SAFETY: a NULL source makes a bytes object of `len` bytes left uninitialised, ours alone until it
-        // is returned; it is filled (or dropped on an error) before any Python code sees it.
-        let bytes = unsafe {
-            let raw = ffi::PyBytes_FromStringAndSize(std::ptr::null(), size);
-            Bound::from_owned_ptr_or_err(py, raw)?.cast_into_unchecked::<PyBytes>()
-        };
-        // SAFETY: PyBytes_AsString of a bytes object points at its `len` bytes (and a trailing NUL).
-        let address = unsafe { ffi::PyBytes_AsString(bytes.as_ptr()) } as usize;
+        let (bytes, address) = uninitialised_bytes(py, len)?;
         py.detach(move || {
             // SAFETY: the object above owns these `len` bytes, and nothing else refers to it until it
             // returns; only the bytes the read wrote are looked at.
@@ -236,6 +227,21 @@ mod _core {
         })
         .map_err(block_error)?;
         Ok(bytes)
+    }
+
+    /// A new bytes object of `len` bytes, left uninitialised, and the address of its bytes: it must be
+    /// filled (or dropped) before any Python code sees it.
+    fn uninitialised_bytes(py: Python<'_>, len: usize) -> PyResult<(Bound<'_, PyBytes>, usize)> {
+        let size = ffi::Py_ssize_t::try_from(len).map_err(|_| PyValueError::new_err("too long"))?;
+        // SAFETY: a NULL source makes a bytes object of `len` bytes left uninitialised, ours alone until
+        // the caller returns it.
+        let bytes = unsafe {
+            let raw = ffi::PyBytes_FromStringAndSize(std::ptr::null(), size);
+            Bound::from_owned_ptr_or_err(py, raw)?.cast_into_unchecked::<PyBytes>()
+        };
+        // SAFETY: PyBytes_AsString of a bytes object points at its `len` bytes (and a trailing NUL).
+        let address = unsafe { ffi::PyBytes_AsString(bytes.as_ptr()) } as usize;
+        Ok((bytes, address))
     }
 
     /// The buffer a range read of [start, end) needs: the segments it lies in, in whole pages.
@@ -312,20 +318,93 @@ mod _core {
         fn get(
             &self,
             py: Python<'_>,
-            endpoint: (String, String, u16, String),
+            endpoint: Endpoint,
             key: &str,
             start: u64,
             into: PyBuffer<u8>,
             etag: Option<&str>,
             version_id: Option<&str>,
-            credentials: Option<(String, String, Option<String>)>,
+            credentials: Option<Credentials>,
             timeouts: (f64, f64, Option<f64>),
         ) -> PyResult<()> {
             let (address, len) = writable(&into)?;
+            let request = (
+                &endpoint,
+                key,
+                start,
+                etag,
+                version_id,
+                &credentials,
+                timeouts,
+            );
+            // SAFETY: `into` holds the exporter's writable buffer until it is dropped after this call
+            // returns, so the `len` bytes at `address` stay allocated and in place; a Python thread using
+            // them meanwhile races with the read (as with recv_into), never a wild access.
+            unsafe { self.get_raw(py, request, address, len) }
+        }
+
+        /// As get, into a new bytes object of `length` bytes (never zeroed first: every byte is received
+        /// before it is returned), so a block needs neither a zeroed buffer nor a copy.
+        #[pyo3(signature = (endpoint, key, start, length, etag, version_id, credentials, timeouts))]
+        #[allow(clippy::too_many_arguments)]
+        fn get_bytes<'py>(
+            &self,
+            py: Python<'py>,
+            endpoint: Endpoint,
+            key: &str,
+            start: u64,
+            length: usize,
+            etag: Option<&str>,
+            version_id: Option<&str>,
+            credentials: Option<Credentials>,
+            timeouts: (f64, f64, Option<f64>),
+        ) -> PyResult<Bound<'py, PyBytes>> {
+            let (bytes, address) = uninitialised_bytes(py, length)?;
+            let request = (
+                &endpoint,
+                key,
+                start,
+                etag,
+                version_id,
+                &credentials,
+                timeouts,
+            );
+            // SAFETY: the bytes object owns these `length` bytes, and nothing else refers to it until it
+            // is returned, filled.
+            unsafe { self.get_raw(py, request, address, length)? };
+            Ok(bytes)
+        }
+    }
+
+    type Endpoint = (String, String, u16, String);
+    type Credentials = (String, String, Option<String>);
+    type Request<'a> = (
+        &'a Endpoint,
+        &'a str,
+        u64,
+        Option<&'a str>,
+        Option<&'a str>,
+        &'a Option<Credentials>,
+        (f64, f64, Option<f64>),
+    );
+
+    impl S3Client {
+        /// The GET into the `len` bytes at `address`, without the GIL.
+        ///
+        /// # Safety
+        /// The `len` bytes at `address` must stay allocated, and written by nothing else, until it returns.
+        unsafe fn get_raw(
+            &self,
+            py: Python<'_>,
+            request: Request<'_>,
+            address: usize,
+            len: usize,
+        ) -> PyResult<()> {
+            let (endpoint, key, start, etag, version_id, credentials, timeouts) = request;
             let seconds = |s: f64| Duration::try_from_secs_f64(s.max(0.0)).unwrap_or(Duration::MAX);
             let (connect, read, left) = timeouts;
             let now = Instant::now();
-            let request = s3_get::Get {
+            let get = s3_get::Get {
                 endpoint: s3_get::Endpoint {
                     host: &endpoint.0,
                     connect_host: &endpoint.1,
@@ -348,11 +427,9 @@ mod _core {
                 },
             };
             let outcome = py.detach(|| {
-                // SAFETY: `into` holds the exporter's writable buffer until it is dropped after this call
-                // returns, so the `len` bytes at `address` stay allocated and in place; a Python thread
-                // using them meanwhile races with the read (as with recv_into), never a wild access.
+                // SAFETY: the caller keeps the `len` bytes at `address` allocated and ours alone.
                 let buf = unsafe { std::slice::from_raw_parts_mut(address as *mut u8, len) };
-                s3_get::get(&self.signer, &request, buf)
+                s3_get::get(&self.signer, &get, buf)
             });
             outcome.map_err(|err| match err {
                 GetError::NotHandled(why) => S3NotHandled::new_err(why),

@@ -52,12 +52,11 @@ pub struct Timeouts {
 
 impl Timeouts {
     fn wait(&self, longest: Duration) -> Duration {
-        match self.deadline {
-            Some(at) => longest
-                .min(at.saturating_duration_since(Instant::now()))
-                .max(MIN_WAIT),
+        let left = match self.deadline {
+            Some(at) => longest.min(at.saturating_duration_since(Instant::now())),
             None => longest,
-        }
+        };
+        left.max(MIN_WAIT) // (a zero timeout is refused by the socket calls)
     }
 }
 
