@@ -223,8 +223,10 @@ def test_a_dead_or_frozen_member_costs_one_deadline_not_bytes(
         read_all(fs, dataset)
         elapsed = time.monotonic() - started
         counts = fs.peers.counts.snapshot()
-        # Each bad member failed once, then rested: its blocks came from the backend.
-        assert counts["failures"] == 2, counts
+        # Each bad member failed once, then rested: its blocks came from the backend. (Once more for each
+        # of large.bin's other blocks already on their way to it when the first failed: read-ahead sends
+        # them together. Without the rest, every block a bad member owns would fail: about 10 of 16.)
+        assert 2 <= counts["failures"] <= 2 + 3, counts
         assert gets(fs) == blocks_of(dataset), counts
         assert elapsed < 10, f"{elapsed:.1f} s {counts}"
     finally:
