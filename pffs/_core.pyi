@@ -93,3 +93,30 @@ class S3Client:
     ) -> bytes:
         """As get, into a new bytes object of `length` bytes (never zeroed first: every byte is received
         before it is returned)."""
+
+class NativeMount:
+    """A read-only mount served by the native engine (native/core/src/fuse): several threads read the FUSE
+    connection and answer every request without Python. Made mounted."""
+
+    def __init__(
+        self,
+        mountpoint: str,
+        bucket: tuple[
+            str, str, int, str, str, tuple[str, str, str | None] | None, tuple[float, float, float]
+        ],
+        prefix: str,
+        cache: tuple[int, int, int, int],
+        names: tuple[float, float, float],
+        shown: tuple[int, int, int, int, bool, int, str, str, str],
+    ) -> None:
+        """`bucket`: (Host header, host to connect to, port, path prefix, region, credentials or None,
+        (connect, read, deadline) seconds); `prefix`: the root's key prefix ("" or ending in "/"); `cache`:
+        (memory bytes, block size, blocks read ahead, background fetches); `names`: (dir TTL,
+        stale-if-error, attr TTL) seconds; `shown`: (uid, gid, file mode, dir mode, allow other, threads,
+        fsname, source URL, root URL). Raises OSError if the mount cannot be made."""
+    def wait(self, timeout: float) -> bool:
+        """Waits up to `timeout` seconds for serving to end; whether it has."""
+    def unmount(self) -> None:
+        """Unmounts (if still mounted) and waits for the serving threads."""
+    def report(self) -> str:
+        """The mount's report as JSON, in the shape of the Python engine's (`pffs stats`)."""

@@ -461,6 +461,11 @@ class S3Backend(Backend):
                 self.native_gets = False
         return self._read_range_s3fs(info, start, end)
 
+    def native_getter(self) -> NativeS3Getter | None:
+        """The client that sends S3 GETs without botocore (and tells the native engine where the bucket is
+        and who signs), or None: not S3, or set up in a way it does not handle (a proxy, `extra` options)."""
+        return self._native_getter()
+
     def _native_getter(self) -> NativeS3Getter | None:
         if not self.native_gets:
             return None

@@ -198,6 +198,7 @@ class NativeS3Getter:
         """`native_http`: GETs over http through the native core (False: this module's sockets, as over
         https; bench/native_s3_clients.py compares the two)."""
         self._base_url_of = base_url_of  # bucket -> its base URL (asks botocore, once per bucket)
+        self.region = region
         self._signer = SigV4(region)
         self._native = _core.S3Client(region) if native_http else None
         self._credentials = credentials
@@ -217,6 +218,10 @@ class NativeS3Getter:
             with self._lock:
                 self._endpoints[bucket] = endpoint
         return endpoint
+
+    def bucket_target(self, bucket: str) -> tuple[BucketEndpoint, Credentials | None]:
+        """Where `bucket` is and who signs: for the native engine, which sends its own requests."""
+        return self._endpoint(bucket), self._current_credentials()
 
     def _current_credentials(self) -> Credentials | None:
         now = time.monotonic()

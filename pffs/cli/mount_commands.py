@@ -75,6 +75,19 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
         help="refuse every change (EROFS); shows the fixed owner and modes below, as --fixed-modes",
     )
     p.add_argument(
+        "--engine",
+        choices=("python", "native"),
+        default="python",
+        help="what serves the mount: python (default; every feature) or native (several threads, no "
+        "Python per request; so far read-only S3 over http, memory cache only: needs --read-only)",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=16,
+        help="--engine native: threads answering the kernel, one request each at a time (default 16)",
+    )
+    p.add_argument(
         "--fixed-modes",
         action="store_true",
         help="show the owner and modes below for every file instead of those stored with each object "
@@ -169,6 +182,8 @@ def mount_options(args: argparse.Namespace) -> MountOptions:
             backend=backend_options(args),
             attr_ttl=args.attr_ttl,
             read_only=args.read_only,
+            engine=args.engine,
+            threads=args.threads,
             fixed_modes=args.fixed_modes,
             allow_other=args.allow_other,
             uid=args.uid,

@@ -69,7 +69,8 @@ class MountCollector(Collector):
             errors.add_metric([kind], row["errors"])
             not_found.add_metric([kind], row.get("not_found", 0))
             for quantile, field in (("0.5", "p50_ms"), ("0.9", "p90_ms"), ("0.99", "p99_ms")):
-                latency.add_metric([kind, quantile], row[field] / 1e3)
+                if field in row:  # (the native engine does not measure latencies yet)
+                    latency.add_metric([kind, quantile], row[field] / 1e3)
         yield requests
         yield errors
         yield not_found

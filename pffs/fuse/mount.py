@@ -171,6 +171,8 @@ def _mount_and_serve(
     notices: list[str] = []  # for the user at mount time (also logged): one line each
     with contextlib.ExitStack() as stack:
         backend, root = open_backend(options.source, options.backend)
+        if options.engine == "native":
+            return _serve_natively(options, backend, root, ready, record, supervisor)
         # The kernel sends waiting lookups and page reads again, one by one, when the one it sent fails:
         # they share its failure, and its deadline, rather than each starting a deadline of its own.
         share_failures(FAILURE_SHARED_S)
@@ -250,6 +252,29 @@ def _mount_and_serve(
                 f"{staging.directory} (the next mount uploads them)",
             )
     return ending
+
+
+def _serve_natively(
+    options: MountOptions,
+    backend: Backend,
+    root: str,
+    ready: Callable[[tuple[str, ...]], None],
+    record: Path,
+    supervisor: int | None,
+) -> Ending:
+    """--engine native: the source checked as for the Python engine (same messages), then served by the
+    native core (pffs.fuse.native_engine)."""
+    from pffs.fuse.native_engine import check_supported, serve_native
+
+    check_supported(options, backend)
+    try:
+        info = backend.stat(root)  # the backend answers, the credentials work, the source exists
+    except FileNotFoundError:
+        _missing_root(backend, root, options)  # read-only: raises, naming the nearest names
+        raise
+    if not info.is_dir and not keys_under(backend, root):
+        raise NotADirectoryError(20, f"{options.source} is an object, not a directory or prefix")
+    return serve_native(options, backend, root, [], ready, record, supervisor)
 
 
 def how_serving_ended(

@@ -6,9 +6,9 @@ from __future__ import annotations
 import re
 import signal
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 from pffs.backends.options import BackendOptions
 from pffs.config import CacheSettings
@@ -43,6 +43,12 @@ class MountOptions(BaseModel):
     backend: BackendOptions = Field(default_factory=BackendOptions)
     attr_ttl: float = Field(1.0, ge=0, le=86400, description="seconds the kernel trusts attributes and names")
     read_only: bool = False
+    # The native engine (pffs_core::fuse, issue 44): several threads answer the kernel without Python. So far
+    # read-only mounts of S3 over http, with the memory tier only (pffs.fuse.native_engine).
+    engine: Literal["python", "native"] = Field(
+        "python", description="what serves the mount: pffs's Python engine or the native one"
+    )
+    threads: int = Field(16, ge=1, le=256, description="native engine: threads answering the kernel")
     fixed_modes: bool = Field(
         False,
         description="show --uid/--gid/--file-mode/--dir-mode for everything instead of the attributes "
@@ -59,3 +65,12 @@ class MountOptions(BaseModel):
     peers: PeerSettings | None = Field(None, description="the cache group this mount joins (pffs.peers)")
     log_file: Path | None = None
     verbose: int = Field(0, ge=0, le=2)
+
+    @model_validator(mode="after")
+    def _engine_serves_it(self) -> MountOptions:
+        if self.engine == "native" and not self.read_only:
+            raise ValueError(
+                "--engine native serves read-only mounts only so far: add --read-only (or mount with "
+                "--engine python, the default)"
+            )
+        return self

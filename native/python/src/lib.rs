@@ -37,8 +37,13 @@ pyo3::create_exception!(
 #[pymodule]
 mod _core {
     use std::path::PathBuf;
-
+    use std::sync::Arc;
     use std::time::{Duration, Instant};
+
+    use pffs_core::backends::bucket::{Bucket, BucketConfig};
+    use pffs_core::fuse;
+    use pffs_core::vfs::namespace::{Namespace, NamespaceConfig};
+    use pffs_core::vfs::reader::{Blocks, ReaderConfig};
 
     use pffs_core::backends::s3_get::{self, GetError};
     use pffs_core::cache::block_file::{self, BlockError, Header};
@@ -401,7 +406,6 @@ mod _core {
             len: usize,
         ) -> PyResult<()> {
             let (endpoint, key, start, etag, version_id, credentials, timeouts) = request;
-            let seconds = |s: f64| Duration::try_from_secs_f64(s.max(0.0)).unwrap_or(Duration::MAX);
             let (connect, read, left) = timeouts;
             let now = Instant::now();
             let get = s3_get::Get {
@@ -440,6 +444,135 @@ mod _core {
                 GetError::Io { errno, message } => os_error(errno, message),
             })
         }
+    }
+
+    /// A read-only mount served by the native engine (pffs_core::fuse): several threads read the FUSE
+    /// connection and answer every request without Python. Made mounted; `wait` polls for its end (so
+    /// Python's signal handlers run between polls), `unmount` ends it.
+    #[pyclass]
+    struct NativeMount {
+        mounted: fuse::Mounted,
+        blocks: Arc<Blocks>,
+        served: fuse::ServeConfig,
+    }
+
+    #[pymethods]
+    impl NativeMount {
+        /// `bucket`: (Host header, host to connect to, port, path prefix, region, credentials or None,
+        /// (connect, read, deadline) seconds); `prefix`: the mount root's key prefix ("" or ending in
+        /// "/"); `cache`: (memory bytes, block size, blocks read ahead, background fetches); `names`:
+        /// (dir TTL, stale-if-error, attr TTL) seconds; `shown`: (uid, gid, file mode, dir mode, allow
+        /// other, threads, fsname, source URL, root URL). Raises OSError if the mount cannot be made.
+        #[new]
+        #[allow(clippy::type_complexity)]
+        fn new(
+            py: Python<'_>,
+            mountpoint: PathBuf,
+            bucket: (
+                String,
+                String,
+                u16,
+                String,
+                String,
+                Option<Credentials>,
+                (f64, f64, f64),
+            ),
+            prefix: String,
+            cache: (usize, usize, u64, usize),
+            names: (f64, f64, f64),
+            shown: (u32, u32, u16, u16, bool, usize, String, String, String),
+        ) -> PyResult<Self> {
+            let (
+                host,
+                connect_host,
+                port,
+                path_prefix,
+                region,
+                credentials,
+                (connect, read, deadline),
+            ) = bucket;
+            let config = BucketConfig {
+                host,
+                connect_host,
+                port,
+                path_prefix,
+                region,
+                credentials,
+                connect_timeout: seconds(connect),
+                read_timeout: seconds(read),
+                deadline: seconds(deadline),
+            };
+            let (memory, block_size, ahead_blocks, max_background) = cache;
+            if block_size == 0 {
+                return Err(PyValueError::new_err("block size must be positive"));
+            }
+            let (dir_ttl, stale_if_error, attr_ttl) = names;
+            let namespace = Arc::new(Namespace::new(
+                Arc::new(Bucket::new(config)),
+                &prefix,
+                NamespaceConfig {
+                    dir_ttl: seconds(dir_ttl),
+                    stale_if_error: seconds(stale_if_error),
+                },
+            ));
+            let reader = ReaderConfig {
+                block_size,
+                ahead_blocks,
+                max_background,
+            };
+            let blocks = Arc::new(Blocks::new(namespace, memory, reader));
+            let (uid, gid, file_mode, dir_mode, allow_other, threads, fsname, source, root_url) =
+                shown;
+            let served = fuse::ServeConfig {
+                attr_ttl: seconds(attr_ttl),
+                uid,
+                gid,
+                file_mode,
+                dir_mode,
+                threads,
+                allow_other,
+                fsname,
+                source,
+                mountpoint: mountpoint.display().to_string(),
+                root_url,
+            };
+            let fs = fuse::PffsFs::new(blocks.clone(), served.clone());
+            let mounted = py.detach(|| fuse::mount(fs, &mountpoint))?;
+            Ok(NativeMount {
+                mounted,
+                blocks,
+                served,
+            })
+        }
+
+        /// Waits up to `timeout` seconds for serving to end (unmounted, or the connection aborted);
+        /// whether it has.
+        fn wait(&self, py: Python<'_>, timeout: f64) -> bool {
+            let until = Instant::now() + seconds(timeout);
+            py.detach(|| {
+                while !self.mounted.ended() && Instant::now() < until {
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+            });
+            self.mounted.ended()
+        }
+
+        /// Unmounts (if still mounted) and waits for the serving threads.
+        fn unmount(&mut self, py: Python<'_>) -> PyResult<()> {
+            let mounted = &mut self.mounted;
+            py.detach(|| mounted.unmount())?;
+            Ok(())
+        }
+
+        /// The mount's report as JSON, in the shape of the Python engine's (`pffs stats`).
+        fn report(&self) -> String {
+            fuse::report_json(&self.blocks, &self.served)
+        }
+    }
+
+    /// Seconds from Python as a Duration: negative ones as zero, too large or NaN ones as forever.
+    fn seconds(s: f64) -> Duration {
+        Duration::try_from_secs_f64(s.max(0.0)).unwrap_or(Duration::MAX)
     }
 
     /// An OSError of the subclass its errno names (OSError's constructor picks it: ETIMEDOUT makes a

@@ -8,6 +8,8 @@
 //! Where the request goes and who signs it (the endpoint, region and credentials) is decided in Python,
 //! from botocore; what the answer means (an S3 error's exception) too: an error answer comes back as its
 //! status and body. This module only moves bytes, within a deadline.
+//!
+//! The connection table, the signing and the answer's head are shared with s3_list.rs (LIST and HEAD).
 
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -116,15 +118,15 @@ impl From<io::Error> for GetError {
     }
 }
 
-fn errno(code: i32, message: String) -> GetError {
+pub(super) fn errno(code: i32, message: String) -> GetError {
     GetError::Io {
         errno: code,
         message,
     }
 }
 
-/// AWS Signature Version 4, headers only (a GET has no payload). Keeps one signing key: one day, one
-/// secret at a time.
+/// AWS Signature Version 4, headers only (a GET, a HEAD, a LIST have no payload). Keeps one signing
+/// key: one day, one secret at a time.
 pub struct Signer {
     region: String,
     key: Mutex<Option<(String, String, [u8; 32])>>, // (secret, day, key)
@@ -173,9 +175,12 @@ impl Signer {
     }
 
     /// `headers` (lower-case names) plus x-amz-date, x-amz-content-sha256, the session token and
-    /// Authorization, for a GET of `path?query` (`query` in canonical form) on `host`.
+    /// Authorization, for a `method` (GET, HEAD) of `path?query` (`query` as canonical_query makes it)
+    /// on `host`.
+    #[allow(clippy::too_many_arguments)] // (the parts of one canonical request, each named)
     fn sign(
         &self,
+        method: &str,
         creds: &Credentials<'_>,
         host: &str,
         path: &str,
@@ -196,7 +201,7 @@ impl Signer {
             .collect();
         signed.sort_unstable();
         let names = signed.iter().map(|(k, _)| *k).collect::<Vec<_>>().join(";");
-        let mut canonical = format!("GET\n{path}\n{query}\n");
+        let mut canonical = format!("{method}\n{path}\n{query}\n");
         for (k, v) in &signed {
             canonical.push_str(&format!("{k}:{v}\n"));
         }
@@ -222,7 +227,7 @@ impl Signer {
 
 /// A key (or a query value, without `keep_slash`) as SigV4 wants it for S3: every byte but unreserved
 /// ones percent-encoded (Python's `quote(key, safe="/~")`).
-fn uri_encode(text: &str, keep_slash: bool) -> String {
+pub(super) fn uri_encode(text: &str, keep_slash: bool) -> String {
     let mut out = String::with_capacity(text.len());
     for &b in text.as_bytes() {
         if b.is_ascii_alphanumeric() || b"-_.~".contains(&b) || (keep_slash && b == b'/') {
@@ -232,6 +237,21 @@ fn uri_encode(text: &str, keep_slash: bool) -> String {
         }
     }
     out
+}
+
+/// SigV4's canonical query string, which is also what goes on the wire: names and values URI-encoded
+/// ('/' too), the pairs sorted by name (then value), a bare name written `name=`.
+pub(super) fn canonical_query(params: &[(&str, &str)]) -> String {
+    let mut encoded: Vec<(String, String)> = params
+        .iter()
+        .map(|(name, value)| (uri_encode(name, false), uri_encode(value, false)))
+        .collect();
+    encoded.sort_unstable();
+    let pairs: Vec<String> = encoded
+        .iter()
+        .map(|(name, value)| format!("{name}={value}"))
+        .collect();
+    pairs.join("&")
 }
 
 /// YYYYMMDDTHHMMSSZ for Unix seconds (days to a civil date: Howard Hinnant's algorithm).
@@ -254,39 +274,61 @@ fn amz_date(secs: u64) -> String {
     )
 }
 
-/// The request's bytes, signed if there are credentials.
+/// The GET's bytes.
 fn request(signer: &Signer, get: &Get<'_>, length: usize) -> Vec<u8> {
-    let endpoint = &get.endpoint;
-    let path = format!("{}{}", endpoint.path_prefix, uri_encode(get.key, true));
+    let path = format!("{}{}", get.endpoint.path_prefix, uri_encode(get.key, true));
     let query = get
         .version_id
-        .map(|v| format!("versionId={}", uri_encode(v, false)))
+        .map(|v| canonical_query(&[("versionId", v)]))
         .unwrap_or_default();
     let end = get.start + length as u64 - 1;
     let mut headers = vec![("range".to_string(), format!("bytes={}-{end}", get.start))];
     if let (Some(etag), None) = (get.etag, get.version_id) {
         headers.push(("if-match".into(), etag.into()));
     }
-    if let Some(creds) = &get.credentials {
+    request_bytes(
+        signer,
+        "GET",
+        &get.endpoint,
+        &path,
+        &query,
+        headers,
+        get.credentials.as_ref(),
+    )
+}
+
+/// A request's bytes: `method path?query` (`path` URI-encoded, `query` as canonical_query makes it) with
+/// `headers` (lower-case names), signed if there are credentials.
+pub(super) fn request_bytes(
+    signer: &Signer,
+    method: &str,
+    endpoint: &Endpoint<'_>,
+    path: &str,
+    query: &str,
+    mut headers: Vec<(String, String)>,
+    credentials: Option<&Credentials<'_>>,
+) -> Vec<u8> {
+    if let Some(creds) = credentials {
         let now = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| d.as_secs());
         signer.sign(
+            method,
             creds,
             endpoint.host,
-            &path,
-            &query,
+            path,
+            query,
             &mut headers,
             &amz_date(now),
         );
     }
     let target = if query.is_empty() {
-        path
+        path.to_string()
     } else {
         format!("{path}?{query}")
     };
     let mut wire = format!(
-        "GET {target} HTTP/1.1\r\nHost: {}\r\nConnection: keep-alive\r\n",
+        "{method} {target} HTTP/1.1\r\nHost: {}\r\nConnection: keep-alive\r\n",
         endpoint.host
     );
     for (k, v) in &headers {
@@ -345,7 +387,7 @@ fn connect(address: &Address, timeouts: &Timeouts) -> Result<TcpStream, GetError
 }
 
 /// How an exchange failed.
-enum Failure {
+pub(super) enum Failure {
     /// Before a byte of the answer came, by a reset or close: a stale keep-alive connection if it was
     /// reused (tried once more on a new one).
     Early(GetError),
@@ -368,24 +410,38 @@ pub fn get(signer: &Signer, get: &Get<'_>, into: &mut [u8]) -> Result<(), GetErr
         return Ok(());
     }
     let wire = request(signer, get, into.len());
-    let address: Address = (get.endpoint.connect_host.to_string(), get.endpoint.port);
+    on_connection(&get.endpoint, &get.timeouts, |stream| {
+        exchange(stream, &wire, get, into).map(|keep| ((), keep))
+    })
+}
+
+/// Runs `exchange` (Ok((its result, keep the connection))) on this thread's connection to the endpoint:
+/// made if there is none, made once more if a kept-alive one turns out closed before answering (S3
+/// closes idle connections, which a thread only sees when it uses one). The connection goes back to
+/// the table when the exchange says it can.
+pub(super) fn on_connection<T>(
+    endpoint: &Endpoint<'_>,
+    timeouts: &Timeouts,
+    mut exchange: impl FnMut(&mut TcpStream) -> Result<(T, bool), Failure>,
+) -> Result<T, GetError> {
+    let address: Address = (endpoint.connect_host.to_string(), endpoint.port);
     let kept = kept_connection(&address);
     let reused = kept.is_some();
     let mut stream = match kept {
         Some(stream) => stream,
-        None => connect(&address, &get.timeouts)?,
+        None => connect(&address, timeouts)?,
     };
-    let mut outcome = exchange(&mut stream, &wire, get, into);
+    let mut outcome = exchange(&mut stream);
     if reused && matches!(outcome, Err(Failure::Early(_))) {
-        stream = connect(&address, &get.timeouts)?;
-        outcome = exchange(&mut stream, &wire, get, into);
+        stream = connect(&address, timeouts)?;
+        outcome = exchange(&mut stream);
     }
     match outcome {
-        Ok(keep) => {
+        Ok((result, keep)) => {
             if keep {
                 keep_connection(address, stream);
             }
-            Ok(())
+            Ok(result)
         }
         Err(Failure::Answer(err, keep)) => {
             if keep {
@@ -406,15 +462,18 @@ fn is_cut(err: &io::Error) -> bool {
     )
 }
 
-struct AnswerHead {
-    status: u16,
-    length: Option<usize>,
-    chunked: bool,
-    close: bool,
-    etag: Option<String>,
+pub(super) struct AnswerHead {
+    pub(super) status: u16,
+    pub(super) length: Option<usize>,
+    pub(super) chunked: bool,
+    /// The server closes the connection after this answer.
+    pub(super) close: bool,
+    pub(super) etag: Option<String>,
+    /// As sent (RFC 7231's IMF-fixdate): a HEAD's object time.
+    pub(super) last_modified: Option<String>,
 }
 
-fn parse_head(text: &str) -> Result<AnswerHead, GetError> {
+pub(super) fn parse_head(text: &str) -> Result<AnswerHead, GetError> {
     let mut lines = text.split("\r\n");
     let first = lines.next().unwrap_or("");
     let mut parts = first.splitn(3, ' ');
@@ -440,6 +499,7 @@ fn parse_head(text: &str) -> Result<AnswerHead, GetError> {
         chunked: false,
         close: false,
         etag: None,
+        last_modified: None,
     };
     for line in lines {
         let Some((name, value)) = line.split_once(':') else {
@@ -454,13 +514,19 @@ fn parse_head(text: &str) -> Result<AnswerHead, GetError> {
             head.close = value.eq_ignore_ascii_case("close");
         } else if name.eq_ignore_ascii_case("etag") {
             head.etag = Some(value.to_string());
+        } else if name.eq_ignore_ascii_case("last-modified") {
+            head.last_modified = Some(value.to_string());
         }
     }
     Ok(head)
 }
 
 /// Reads into `buf` from the stream, one wait of the read timeout (or what is left of the deadline).
-fn read_some(stream: &mut TcpStream, timeouts: &Timeouts, buf: &mut [u8]) -> io::Result<usize> {
+pub(super) fn read_some(
+    stream: &mut TcpStream,
+    timeouts: &Timeouts,
+    buf: &mut [u8],
+) -> io::Result<usize> {
     stream.set_read_timeout(Some(timeouts.wait(timeouts.read)))?;
     loop {
         match stream.read(buf) {
@@ -470,14 +536,12 @@ fn read_some(stream: &mut TcpStream, timeouts: &Timeouts, buf: &mut [u8]) -> io:
     }
 }
 
-/// Sends the request and reads the answer, its body into `into`. Ok(keep the connection).
-fn exchange(
+/// Sends the request and reads the answer's head: it and the bytes of the body that came with it.
+pub(super) fn send_and_read_head(
     stream: &mut TcpStream,
     wire: &[u8],
-    get: &Get<'_>,
-    into: &mut [u8],
-) -> Result<bool, Failure> {
-    let timeouts = &get.timeouts;
+    timeouts: &Timeouts,
+) -> Result<(AnswerHead, Vec<u8>), Failure> {
     stream.set_write_timeout(Some(timeouts.wait(timeouts.read)))?;
     if let Err(err) = stream.write_all(wire) {
         return Err(if is_cut(&err) {
@@ -519,7 +583,21 @@ fn exchange(
         }
     };
     let answer = parse_head(&String::from_utf8_lossy(&head[..end])).map_err(Failure::Late)?;
-    let early = &head[end + 4..filled];
+    head.truncate(filled);
+    head.drain(..end + 4);
+    Ok((answer, head))
+}
+
+/// Sends the GET and reads the answer, its body into `into`. Ok(keep the connection).
+fn exchange(
+    stream: &mut TcpStream,
+    wire: &[u8],
+    get: &Get<'_>,
+    into: &mut [u8],
+) -> Result<bool, Failure> {
+    let timeouts = &get.timeouts;
+    let (answer, early) = send_and_read_head(stream, wire, timeouts)?;
+    let early = early.as_slice();
     let length = match (answer.length, answer.chunked) {
         (Some(length), false) => length,
         _ => {
@@ -627,6 +705,7 @@ mod tests {
         };
         let mut headers = vec![("range".to_string(), "bytes=0-9".to_string())];
         signer.sign(
+            "GET",
             &creds,
             "examplebucket.s3.amazonaws.com",
             "/test.txt",
@@ -638,6 +717,48 @@ mod tests {
         assert!(authorization.ends_with(
             "Signature=f0e8bdb87c964420e857bd35b5d6ed310bd44f0170aba48dd91039c6036bdb41"
         ));
+    }
+
+    /// AWS's documented example with a query of two parameters ("Example: GET Bucket (List Objects)"):
+    /// given out of order, they are signed sorted by name.
+    #[test]
+    fn the_documented_signature_of_a_query() {
+        let signer = Signer::new("us-east-1");
+        let creds = Credentials {
+            access_key: "AKIAIOSFODNN7EXAMPLE",
+            secret_key: "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY",
+            token: None,
+        };
+        let query = canonical_query(&[("prefix", "J"), ("max-keys", "2")]);
+        assert_eq!(query, "max-keys=2&prefix=J");
+        let mut headers = Vec::new();
+        signer.sign(
+            "GET",
+            &creds,
+            "examplebucket.s3.amazonaws.com",
+            "/",
+            &query,
+            &mut headers,
+            "20130524T000000Z",
+        );
+        let authorization = &headers.last().unwrap().1;
+        assert!(authorization.ends_with(
+            "Signature=34b48302e7b5fa45bde8084f4b7868a86f0a534bc59db6670ed5711ef69dc6f7"
+        ));
+    }
+
+    #[test]
+    fn queries_are_sorted_and_encoded() {
+        assert_eq!(
+            canonical_query(&[
+                ("prefix", "a b/é"),
+                ("list-type", "2"),
+                ("continuation-token", "1/x+y=="),
+                ("delimiter", "/"),
+            ]),
+            "continuation-token=1%2Fx%2By%3D%3D&delimiter=%2F&list-type=2&prefix=a%20b%2F%C3%A9"
+        );
+        assert_eq!(canonical_query(&[]), "");
     }
 
     #[test]

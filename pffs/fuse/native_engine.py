@@ -1,0 +1,188 @@
+"""`pffs mount --engine native`: the mount served by the native core (pffs._core.NativeMount, Rust: fuser
+with several threads on one /dev/fuse connection, names and blocks without Python per request).
+
+Python still does what happens once: the source is checked and its messages said by pffs.fuse.mount as for
+the Python engine, the bucket's endpoint, region and credentials come from botocore (Backend.native_getter),
+and this module waits for the mount to end while signals are handled, then says how it ended.
+
+What the engine does not do yet (issue 44 lands in steps), and refuses with one line rather than serving
+differently: writes (--read-only is required), https endpoints (its client speaks plain http), sources other
+than S3, cache groups. Its cache is the memory tier alone: blocks are not written to the disk tier.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from pffs import _core
+from pffs.backends.backend import Backend, S3Backend
+from pffs.fuse import mount_record
+from pffs.fuse.ending import Ending
+from pffs.fuse.metrics import start_metrics_server
+from pffs.fuse.mountpoint import force_unmount, in_mount_table
+from pffs.fuse.options import DETACH_SIGNAL, MountOptions
+from pffs.processes import public_url
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.2  # how often the wait for the mount's end lets Python's signal handlers run
+READ_AHEAD_KB = 4096  # as the Python engine's (pffs.fuse.mount.READ_AHEAD_KB)
+
+
+class EngineUnsupportedError(ValueError):
+    """A mount the native engine does not serve yet: one line naming what to change."""
+
+
+def check_supported(options: MountOptions, backend: Backend) -> None:
+    """Raises EngineUnsupportedError unless the native engine serves this mount as the Python one would."""
+    why = None
+    if not options.read_only:
+        why = "serves read-only mounts only so far: add --read-only"
+    elif not options.source.startswith(("s3://", "s3a://")):
+        why = "serves S3 sources only so far"
+    elif options.peers is not None:
+        why = "does not join cache groups yet: drop the --peer options"
+    elif not isinstance(backend, S3Backend) or backend.native_getter() is None:
+        why = "cannot send this bucket's requests itself (a proxy or extra options are set)"
+    if why:
+        raise EngineUnsupportedError(f"--engine native {why}; or mount with --engine python (the default)")
+
+
+def serve_native(
+    options: MountOptions,
+    backend: Backend,
+    root: str,
+    notices: list[str],
+    ready: Callable[[tuple[str, ...]], None],
+    record: Path,
+    supervisor: int | None,
+) -> Ending:
+    """Mounts `root` (bucket/prefix) at the mountpoint with the native engine and serves until unmounted or
+    signalled; how it ended."""
+    from pffs.fuse.mount import how_serving_ended
+
+    getter = backend.native_getter() if isinstance(backend, S3Backend) else None
+    assert getter is not None  # check_supported
+    bucket, _, prefix = root.partition("/")
+    endpoint, credentials = getter.bucket_target(bucket)
+    if endpoint.scheme != "http":
+        raise EngineUnsupportedError(
+            f"--engine native speaks plain http only so far, and {public_url(options.source)} is reached "
+            "over https; mount with --engine python (the default)"
+        )
+    prefix = prefix.strip("/")
+    cache = options.cache
+    block_size = cache.block_size
+    ahead_blocks = max(1, cache.readahead_size // block_size)
+    mount = _core.NativeMount(
+        str(options.mountpoint),
+        (
+            endpoint.host,
+            endpoint.connect_host,
+            endpoint.port,
+            endpoint.path_prefix,
+            getter.region,
+            (credentials.access_key, credentials.secret_key, credentials.token) if credentials else None,
+            (getter.connect_timeout, getter.read_timeout, options.backend.backend_timeout),
+        ),
+        prefix + "/" if prefix else "",
+        (cache.memory_cache_size, block_size, ahead_blocks, cache.fetch_workers),
+        (cache.metadata_ttl, cache.stale_if_error, options.attr_ttl),
+        (
+            os.getuid() if options.uid is None else options.uid,
+            os.getgid() if options.gid is None else options.gid,
+            options.file_mode,
+            options.dir_mode,
+            options.allow_other,
+            options.threads,
+            options.source.replace(",", "_"),
+            public_url(options.source),
+            f"s3://{bucket}/{prefix + '/' if prefix else ''}",
+        ),
+    )
+    _raise_read_ahead(options.mountpoint)
+    if options.metrics_port:
+        start_metrics_server(lambda: _report(mount), options.metrics_address, options.metrics_port)
+    log.info(
+        "mounted %s at %s (pid %d, native engine, %d threads)",
+        public_url(options.source),
+        options.mountpoint,
+        os.getpid(),
+        options.threads,
+    )
+    ready(tuple(notices))
+    mount_record.running(record, public_url(options.source), options.mountpoint, options.log_file, supervisor)
+    signalled, detached = _wait_for_the_end(mount, options.mountpoint)
+    report = _report(mount)
+    log.info(
+        "native engine: %d reads, %d blocks fetched (%d failed, %d ahead of their reader), %d memory hits, "
+        "%d listings",
+        report["reads"],
+        report["backend_requests"]["get"]["requests"],
+        report["backend_requests"]["get"]["errors"],
+        report["cache"]["prefetches"],
+        report["cache"]["memory_hits"],
+        report["backend_requests"]["list"]["requests"],
+    )
+    listed = not signalled and in_mount_table(options.mountpoint)
+    return how_serving_ended(signalled, listed, options.mountpoint, detached)
+
+
+def _wait_for_the_end(mount: Any, mountpoint: Path) -> tuple[str | None, bool]:
+    """Waits until the kernel ends the session, unmounting on SIGTERM, SIGINT or SIGHUP and detaching on
+    DETACH_SIGNAL (pffs umount --lazy); the signal that ended it, if one did, and whether it detached."""
+    received: list[int] = []
+
+    def note(signum: int, _frame: object) -> None:
+        received.append(signum)
+
+    handled = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, DETACH_SIGNAL)
+    previous = {s: signal.signal(s, note) for s in handled}
+    signalled: str | None = None
+    detached = False
+    try:
+        while not mount.wait(POLL_S):
+            while received:
+                signum = received.pop(0)
+                name = signal.Signals(signum).name
+                if signum == DETACH_SIGNAL and not detached:
+                    log.info(
+                        "%s (pffs umount --lazy): detaching %s now; serving the processes that still use "
+                        "it until they let go",
+                        name,
+                        mountpoint,
+                    )
+                    detached = True
+                    force_unmount(mountpoint)
+                elif signum != DETACH_SIGNAL and signalled is None:
+                    log.info("%s: unmounting", name)
+                    signalled = name
+                    mount.unmount()
+        mount.unmount()  # joins the serving threads (the kernel ended the session already)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    return signalled, detached
+
+
+def _raise_read_ahead(mountpoint: Path) -> None:
+    """The kernel's read-ahead of the mount, raised as the Python engine raises it (1 MiB requests,
+    several in flight)."""
+    try:
+        device = os.stat(mountpoint).st_dev  # answered by the engine's threads
+        bdi = Path(f"/sys/class/bdi/{os.major(device)}:{os.minor(device)}/read_ahead_kb")
+        bdi.write_text(str(READ_AHEAD_KB))
+    except OSError as exc:
+        log.info("could not raise the read-ahead of %s (%s): sequential reads are slower", mountpoint, exc)
+
+
+def _report(mount: Any) -> dict[str, Any]:
+    """The engine's report: the Python engine's shape (pffs stats, pffs.fuse.metrics), made natively."""
+    report: dict[str, Any] = json.loads(mount.report())
+    return report
