@@ -13,6 +13,8 @@ that prefix:
     pffs      pffs mount s3://bench-data/ds MNT --cache-dir DIR --cache-size 8G --memory-cache-size 512M
               --attr-ttl 1 --dir-ttl 60 (read-write, the default: modes stored with each object)
     pffs-ro   the same with --read-only (fixed modes, no HEAD per file): what the read-write default costs
+    pffs-native  the same with --read-only --engine native (the native engine: several threads, no Python
+              per request; memory tier only so far, so its phases after a remount are cold again)
     pffs-noprefetch   pffs with --no-prefetch-dirs, for the small-file phases only (first_read,
               small_cold, small_warm): what directory prefetch adds. Not a peer, no target.
     rclone    rclone mount (S3 remote from RCLONE_CONFIG_BENCH_* env vars, provider Other)
@@ -130,8 +132,10 @@ RANDOM_SIZE = 128 << 10
 # small-file ones), so the table shows what prefetch adds and what pffs does without it. Not a peer.
 # pffs-ro: pffs with --read-only (fixed modes, no HEAD per file): what the read-write default costs.
 # mountpoint: Mountpoint for S3 (mount-s3), a peer where its binary is found (--mount-s3), skipped otherwise.
-CLIENTS = ("pffs", "pffs-ro", "pffs-noprefetch", "rclone", "s3fs", "juicefs", "mountpoint")
-PFFS_CLIENTS = ("pffs", "pffs-ro", "pffs-noprefetch")
+# pffs-native: pffs --read-only --engine native (issue 44's native engine: several threads, no Python per
+# request; memory tier only so far, so its "warm" phases after a remount read from the server again).
+CLIENTS = ("pffs", "pffs-ro", "pffs-native", "pffs-noprefetch", "rclone", "s3fs", "juicefs", "mountpoint")
+PFFS_CLIENTS = ("pffs", "pffs-ro", "pffs-native", "pffs-noprefetch")
 PEERS = ("rclone", "s3fs", "juicefs", "mountpoint")
 CACHE_SIZE = "8G"
 # Readers of warm data (each count after a remount: the client's disk cache, its memory and the page
@@ -764,6 +768,8 @@ class Mount:
                 cmd.append("--no-prefetch-dirs")
             if self.client == "pffs-ro":
                 cmd.append("--read-only")
+            if self.client == "pffs-native":
+                cmd += ["--read-only", "--engine", "native"]
             pffs_options = [*PFFS_MOUNT_OPTIONS, "--log-file", str(self.log_path())]
             return [*cmd, "--cache-dir", cache, *pffs_options], env
         if self.client == "rclone":
@@ -1212,7 +1218,7 @@ def compare(figures: dict[str, dict[str, Result]]) -> dict[str, Result]:
         pick = min if better == "lower" else max
         best = pick(peers, key=lambda c: peers[c])
         entry: Result = {"best_peer": best, "best_peer_value": peers[best], "better": better}
-        for client in ("pffs", "pffs-ro"):
+        for client in ("pffs", "pffs-ro", "pffs-native"):
             if client in by_client and peers[best] > 0:
                 entry[client] = by_client[client]["value"]
                 entry[f"{client}_over_best_peer"] = round(by_client[client]["value"] / peers[best], 3)
@@ -1343,7 +1349,7 @@ def fmt(value: float) -> str:
 def print_table(report: Result) -> None:
     figures, comparison = report["figures"], report["comparison"]
     clients = [c for c in CLIENTS if c in report["config"]["clients"]]
-    header = ("figure", "unit", *clients, "best peer", "pffs/best", "pffs-ro/best")
+    header = ("figure", "unit", *clients, "best peer", "pffs/best", "pffs-ro/best", "native/best")
     rows = [header]
     for fig, (label, unit, better) in FIGURES.items():
         by_client = figures.get(fig, {})
@@ -1357,7 +1363,7 @@ def print_table(report: Result) -> None:
         comp = comparison.get(fig, {})
         ratios = [
             f"{comp[f'{c}_over_best_peer']:.2f}" if f"{c}_over_best_peer" in comp else "-"
-            for c in ("pffs", "pffs-ro")
+            for c in ("pffs", "pffs-ro", "pffs-native")
         ]
         rows.append(
             (
@@ -1371,7 +1377,7 @@ def print_table(report: Result) -> None:
     for fig, label in CEILINGS.items():
         r = figures.get(fig, {}).get("ceiling")
         unit = "reads/s" if fig.endswith("_ops_s") else "files/s" if fig.endswith("_files_s") else "MB/s"
-        cells = [""] * (len(clients) + 3)  # the clients' columns, best peer, the two ratios
+        cells = [""] * (len(clients) + 4)  # the clients' columns, best peer, the three ratios
         cells[0] = fmt(r["value"]) if r else "-"
         rows.append((label, unit, *cells))
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
@@ -1408,6 +1414,7 @@ def plot(report: Result, path: Path) -> None:
     colors = {
         "pffs": "tab:green",
         "pffs-ro": "tab:cyan",
+        "pffs-native": "tab:brown",
         "pffs-noprefetch": "tab:olive",
         "rclone": "tab:blue",
         "s3fs": "tab:orange",

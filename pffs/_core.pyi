@@ -104,19 +104,29 @@ class NativeMount:
         bucket: tuple[
             str, str, int, str, str, tuple[str, str, str | None] | None, tuple[float, float, float]
         ],
-        prefix: str,
+        root: tuple[str, str],
         cache: tuple[int, int, int, int],
         names: tuple[float, float, float],
         shown: tuple[int, int, int, int, bool, int, str, str, str],
+        disk: tuple[str, int] | None,
     ) -> None:
         """`bucket`: (Host header, host to connect to, port, path prefix, region, credentials or None,
-        (connect, read, deadline) seconds); `prefix`: the root's key prefix ("" or ending in "/"); `cache`:
-        (memory bytes, block size, blocks read ahead, background fetches); `names`: (dir TTL,
-        stale-if-error, attr TTL) seconds; `shown`: (uid, gid, file mode, dir mode, allow other, threads,
-        fsname, source URL, root URL). Raises OSError if the mount cannot be made."""
+        (connect, read, deadline) seconds); `root`: (the bucket's name, the root's key prefix: "" or ending
+        in "/"); `cache`: (memory bytes, block size, blocks read ahead, background fetches); `names`: (dir
+        TTL, stale-if-error, attr TTL) seconds; `shown`: (uid, gid, file mode, dir mode, allow other,
+        threads, fsname, source URL, root URL); `disk`: (the cache directory whose disk tier is read, the
+        bytes of fetched blocks queued for take_writes at most) or None. Raises OSError if the mount cannot
+        be made."""
     def wait(self, timeout: float) -> bool:
         """Waits up to `timeout` seconds for serving to end; whether it has."""
     def unmount(self) -> None:
         """Unmounts (if still mounted) and waits for the serving threads."""
     def report(self) -> str:
         """The mount's report as JSON, in the shape of the Python engine's (`pffs stats`)."""
+    def take_writes(self, timeout: float) -> list[tuple[str, bytes]]:
+        """The blocks fetched from the backend since the last call, as (disk-tier key, payload): waits up
+        to `timeout` seconds for one, without the GIL; empty once close_writes was called and all taken."""
+    def close_writes(self) -> None:
+        """No more blocks are queued for the disk tier; a take_writes waiting returns."""
+    def set_disk_usage(self, bytes: int, capacity: int, bound: int, evictions: int) -> None:
+        """The disk tier's bytes, its --cache-size, the bound in force and its evictions, for the report."""

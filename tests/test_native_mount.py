@@ -286,3 +286,49 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+
+
+def test_the_disk_tier_is_the_nodes_one_shared_with_the_python_engine(
+    s3_server: SeaweedS3, tmp_path: Path
+) -> None:
+    raw = raw_for(s3_server)
+    bucket = f"native-{uuid.uuid4().hex[:12]}"
+    raw.mkdir(bucket)
+    files = {f"d/{i}.bin": pattern(BLOCK * (i % 4) + 1000 * i + 1, seed=i) for i in range(12)}
+    raw.pipe({f"{bucket}/{k}": v for k, v in files.items()})
+    cache = tmp_path / "cache"
+    common = ("--endpoint-url", s3_server.endpoint_url, "--read-only", "--block-size", "64K")
+    python_half, native_half = sorted(files)[:6], sorted(files)[6:]
+
+    def read_all(mount: Mount, keys: list[str]) -> None:
+        drop_page_cache()
+        for key in keys:
+            assert sha256((mount.path / key).read_bytes()) == sha256(files[key]), key
+
+    # The Python engine warms half the files, the native one the other half: each tier's blocks are the
+    # other's (one format, one set of keys, one index).
+    with Mount(f"s3://{bucket}", tmp_path / "py", cache, env_for(s3_server), *common) as mount:
+        read_all(mount, python_half)
+    with Mount(
+        f"s3://{bucket}", tmp_path / "nat", cache, env_for(s3_server), *common, "--engine", "native"
+    ) as mount:
+        read_all(mount, python_half)
+        report = mount.stats()["cache"]
+        assert report["misses"] == 0 and report["disk_hits"] > 0, report
+        read_all(mount, native_half)
+        assert mount.stats()["cache"]["misses"] > 0
+    with Mount(f"s3://{bucket}", tmp_path / "py2", cache, env_for(s3_server), *common) as mount:
+        read_all(mount, native_half)
+        assert mount.stats()["cache"]["misses"] == 0, "the native engine's blocks never reached the disk tier"
+    with Mount(
+        f"s3://{bucket}", tmp_path / "nat2", cache, env_for(s3_server), *common, "--engine", "native"
+    ) as mount:
+        # A damaged block file is dropped and fetched again, never served.
+        damaged = next((cache / "blocks").glob("*/*.blk"))
+        data = bytearray(damaged.read_bytes())
+        data[-1] ^= 0xFF
+        damaged.write_bytes(bytes(data))
+        read_all(mount, sorted(files))
+        report = mount.stats()
+        assert report["cache"]["corrupt_blocks"] == 1 and report["cache"]["misses"] == 1, report["cache"]
+        assert report["cache_usage"]["disk_bytes"] > 0

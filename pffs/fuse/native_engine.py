@@ -16,22 +16,27 @@ import json
 import logging
 import os
 import signal
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from pffs import _core
 from pffs.backends.backend import Backend, S3Backend
+from pffs.cache.disk_tier import WRITE_BEHIND_BYTES, DiskTier
 from pffs.fuse import mount_record
 from pffs.fuse.ending import Ending
 from pffs.fuse.metrics import start_metrics_server
 from pffs.fuse.mountpoint import force_unmount, in_mount_table
 from pffs.fuse.options import DETACH_SIGNAL, MountOptions
 from pffs.processes import public_url
+from pffs.vfs.vfs import shared_block_cache
 
 log = logging.getLogger(__name__)
 
 POLL_S = 0.2  # how often the wait for the mount's end lets Python's signal handlers run
+USAGE_EVERY_S = 2.0  # how often the engine's report learns the disk tier's usage
 READ_AHEAD_KB = 4096  # as the Python engine's (pffs.fuse.mount.READ_AHEAD_KB)
 
 
@@ -80,6 +85,9 @@ def serve_native(
     cache = options.cache
     block_size = cache.block_size
     ahead_blocks = max(1, cache.readahead_size // block_size)
+    # The node's disk tier, as the Python engine opens it (its index, bound and writer stay in Python);
+    # the native engine reads its block files itself.
+    disk = shared_block_cache(cache.model_copy(update={"direct_io": True})).disk
     mount = _core.NativeMount(
         str(options.mountpoint),
         (
@@ -91,7 +99,7 @@ def serve_native(
             (credentials.access_key, credentials.secret_key, credentials.token) if credentials else None,
             (getter.connect_timeout, getter.read_timeout, options.backend.backend_timeout),
         ),
-        prefix + "/" if prefix else "",
+        (bucket, prefix + "/" if prefix else ""),
         (cache.memory_cache_size, block_size, ahead_blocks, cache.fetch_workers),
         (cache.metadata_ttl, cache.stale_if_error, options.attr_ttl),
         (
@@ -105,7 +113,9 @@ def serve_native(
             public_url(options.source),
             f"s3://{bucket}/{prefix + '/' if prefix else ''}",
         ),
+        (str(cache.cache_dir), WRITE_BEHIND_BYTES) if disk is not None else None,
     )
+    writes = DiskWrites(mount, disk) if disk is not None else None
     _raise_read_ahead(options.mountpoint)
     if options.metrics_port:
         start_metrics_server(lambda: _report(mount), options.metrics_address, options.metrics_port)
@@ -119,6 +129,8 @@ def serve_native(
     ready(tuple(notices))
     mount_record.running(record, public_url(options.source), options.mountpoint, options.log_file, supervisor)
     signalled, detached = _wait_for_the_end(mount, options.mountpoint)
+    if writes is not None:
+        writes.finish()
     report = _report(mount)
     log.info(
         "native engine: %d reads, %d blocks fetched (%d failed, %d ahead of their reader), %d memory hits, "
@@ -169,6 +181,47 @@ def _wait_for_the_end(mount: Any, mountpoint: Path) -> tuple[str | None, bool]:
         for s, handler in previous.items():
             signal.signal(s, handler)
     return signalled, detached
+
+
+class DiskWrites:
+    """The blocks the native engine fetched, handed to the disk tier's writer (its SQLite index stays in
+    Python) by one thread, off the path of every request; it also tells the engine the disk tier's usage
+    for its report."""
+
+    def __init__(self, mount: Any, disk: DiskTier) -> None:
+        self.mount = mount
+        self.disk = disk
+        self.closed = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="pffs-disk-writes", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        said = 0.0
+        while True:
+            taken = self.mount.take_writes(USAGE_EVERY_S)
+            for key, payload in taken:
+                self.disk.put_later(key, payload)
+            if time.monotonic() - said >= USAGE_EVERY_S:
+                self._tell_usage()
+                said = time.monotonic()
+            if not taken and self.closed.is_set():
+                return
+
+    def _tell_usage(self) -> None:
+        try:
+            evictions = self.disk.stats.snapshot().get("disk_evictions", 0)
+            self.mount.set_disk_usage(
+                self.disk.used_bytes(), self.disk.capacity_bytes, self.disk.bound_bytes(), evictions
+            )
+        except Exception as exc:  # the disk tier failing must not stop the writes
+            log.info("could not read the disk cache's usage: %s", exc)
+
+    def finish(self) -> None:
+        """Writes what the engine queued, then stops."""
+        self.closed.set()
+        self.mount.close_writes()
+        self.thread.join()
+        self.disk.close()  # drains its writer, then closes the index
 
 
 def _raise_read_ahead(mountpoint: Path) -> None:

@@ -37,13 +37,14 @@ pyo3::create_exception!(
 #[pymodule]
 mod _core {
     use std::path::PathBuf;
-    use std::sync::Arc;
+    use std::sync::{Arc, Mutex};
     use std::time::{Duration, Instant};
 
     use pffs_core::backends::bucket::{Bucket, BucketConfig};
+    use pffs_core::cache::disk::DiskTier;
     use pffs_core::fuse;
     use pffs_core::vfs::namespace::{Namespace, NamespaceConfig};
-    use pffs_core::vfs::reader::{Blocks, ReaderConfig};
+    use pffs_core::vfs::reader::{Blocks, DiskUsage, ReaderConfig};
 
     use pffs_core::backends::s3_get::{self, GetError};
     use pffs_core::cache::block_file::{self, BlockError, Header};
@@ -449,9 +450,11 @@ mod _core {
     /// A read-only mount served by the native engine (pffs_core::fuse): several threads read the FUSE
     /// connection and answer every request without Python. Made mounted; `wait` polls for its end (so
     /// Python's signal handlers run between polls), `unmount` ends it.
-    #[pyclass]
+    #[pyclass(frozen)]
     struct NativeMount {
-        mounted: fuse::Mounted,
+        /// (Behind a lock, not PyO3's borrow flag: the disk-writes thread is in take_writes while the
+        /// main thread unmounts.)
+        mounted: Mutex<fuse::Mounted>,
         blocks: Arc<Blocks>,
         served: fuse::ServeConfig,
     }
@@ -459,12 +462,14 @@ mod _core {
     #[pymethods]
     impl NativeMount {
         /// `bucket`: (Host header, host to connect to, port, path prefix, region, credentials or None,
-        /// (connect, read, deadline) seconds); `prefix`: the mount root's key prefix ("" or ending in
-        /// "/"); `cache`: (memory bytes, block size, blocks read ahead, background fetches); `names`:
+        /// (connect, read, deadline) seconds); `root`: (the bucket's name, the mount root's key prefix:
+        /// "" or ending in "/"); `cache`: (memory bytes, block size, blocks read ahead, background fetches); `names`:
         /// (dir TTL, stale-if-error, attr TTL) seconds; `shown`: (uid, gid, file mode, dir mode, allow
-        /// other, threads, fsname, source URL, root URL). Raises OSError if the mount cannot be made.
+        /// other, threads, fsname, source URL, root URL); `disk`: (the cache directory whose disk tier
+        /// is read, the bytes of fetched blocks queued for `take_writes` at most), or None (memory only).
+        /// Raises OSError if the mount cannot be made.
         #[new]
-        #[allow(clippy::type_complexity)]
+        #[allow(clippy::type_complexity, clippy::too_many_arguments)]
         fn new(
             py: Python<'_>,
             mountpoint: PathBuf,
@@ -477,10 +482,11 @@ mod _core {
                 Option<Credentials>,
                 (f64, f64, f64),
             ),
-            prefix: String,
+            root: (String, String),
             cache: (usize, usize, u64, usize),
             names: (f64, f64, f64),
             shown: (u32, u32, u16, u16, bool, usize, String, String, String),
+            disk: Option<(PathBuf, usize)>,
         ) -> PyResult<Self> {
             let (
                 host,
@@ -507,6 +513,7 @@ mod _core {
                 return Err(PyValueError::new_err("block size must be positive"));
             }
             let (dir_ttl, stale_if_error, attr_ttl) = names;
+            let (bucket_name, prefix) = root;
             let namespace = Arc::new(Namespace::new(
                 Arc::new(Bucket::new(config)),
                 &prefix,
@@ -519,8 +526,10 @@ mod _core {
                 block_size,
                 ahead_blocks,
                 max_background,
+                bucket_path: format!("{bucket_name}/"),
             };
-            let blocks = Arc::new(Blocks::new(namespace, memory, reader));
+            let disk = disk.map(|(dir, bound)| DiskTier::new(&dir, bound));
+            let blocks = Arc::new(Blocks::new(namespace, memory, disk, reader));
             let (uid, gid, file_mode, dir_mode, allow_other, threads, fsname, source, root_url) =
                 shown;
             let served = fuse::ServeConfig {
@@ -539,7 +548,7 @@ mod _core {
             let fs = fuse::PffsFs::new(blocks.clone(), served.clone());
             let mounted = py.detach(|| fuse::mount(fs, &mountpoint))?;
             Ok(NativeMount {
-                mounted,
+                mounted: Mutex::new(mounted),
                 blocks,
                 served,
             })
@@ -549,24 +558,69 @@ mod _core {
         /// whether it has.
         fn wait(&self, py: Python<'_>, timeout: f64) -> bool {
             let until = Instant::now() + seconds(timeout);
+            let ended = || {
+                self.mounted
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .ended()
+            };
             py.detach(|| {
-                while !self.mounted.ended() && Instant::now() < until {
+                while !ended() && Instant::now() < until {
                     std::thread::sleep(Duration::from_millis(20));
                 }
             });
-            self.mounted.ended()
+            ended()
         }
 
         /// Unmounts (if still mounted) and waits for the serving threads.
-        fn unmount(&mut self, py: Python<'_>) -> PyResult<()> {
-            let mounted = &mut self.mounted;
-            py.detach(|| mounted.unmount())?;
+        fn unmount(&self, py: Python<'_>) -> PyResult<()> {
+            py.detach(|| {
+                self.mounted
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .unmount()
+            })?;
             Ok(())
         }
 
         /// The mount's report as JSON, in the shape of the Python engine's (`pffs stats`).
         fn report(&self) -> String {
             fuse::report_json(&self.blocks, &self.served)
+        }
+
+        /// The blocks fetched from the backend since the last call, as (disk-tier key, payload), for
+        /// the disk tier's writer: waits up to `timeout` seconds for one, without the GIL. Empty once
+        /// `close_writes` was called and everything was taken (or the mount has no disk tier).
+        fn take_writes<'py>(
+            &self,
+            py: Python<'py>,
+            timeout: f64,
+        ) -> Vec<(String, Bound<'py, PyBytes>)> {
+            let Some(disk) = &self.blocks.disk else {
+                return Vec::new();
+            };
+            let taken = py.detach(|| disk.take_writes(seconds(timeout)));
+            taken
+                .into_iter()
+                .map(|(key, block)| (key, PyBytes::new(py, &block)))
+                .collect()
+        }
+
+        /// No more blocks are queued for the disk tier; a `take_writes` waiting returns.
+        fn close_writes(&self) {
+            if let Some(disk) = &self.blocks.disk {
+                disk.close();
+            }
+        }
+
+        /// The disk tier's bytes, its --cache-size, the bound in force and its evictions, for the report.
+        fn set_disk_usage(&self, bytes: u64, capacity: u64, bound: u64, evictions: u64) {
+            self.blocks.set_disk_usage(DiskUsage {
+                bytes,
+                capacity,
+                bound,
+                evictions,
+            });
         }
     }
 

@@ -235,6 +235,38 @@ pub fn payload_length(path: &Path) -> Result<usize, BlockError> {
     Ok(read_header(&open_for_read(path, false, false)?)?.length)
 }
 
+/// The verified payload of the block file at `path`, which holds `expected` bytes, in a buffer of its
+/// own: the header read first, then the payload straight into place (two reads, no copy to move it).
+pub fn read_payload(path: &Path, expected: usize) -> Result<Vec<u8>, BlockError> {
+    let file = open_for_read(path, false, false)?;
+    let header = read_header(&file)?;
+    if header.length != expected {
+        return Err(corrupt(format!(
+            "block of {} bytes where {} were expected",
+            header.length, expected
+        )));
+    }
+    let stored = file.metadata()?.len();
+    if stored != (header.size + expected) as u64 {
+        return Err(corrupt(format!(
+            "block truncated or too long: {} bytes, header says {}",
+            stored.saturating_sub(header.size as u64),
+            expected
+        )));
+    }
+    let mut payload = Vec::with_capacity(expected);
+    // SAFETY: `payload` has room for `expected` bytes; only those pread wrote are made visible.
+    unsafe {
+        let got = read_full_raw(&file, payload.as_mut_ptr(), expected, header.size as u64)?;
+        payload.set_len(got);
+    }
+    if payload.len() != expected {
+        return Err(corrupt("block truncated while read".to_string()));
+    }
+    check_segments(&header.digests, 0, &payload)?;
+    Ok(payload)
+}
+
 /// Reads the block file at `path`, whose payload is `expected` bytes, into `buf` as it is stored (header,
 /// then the payload from header_size(expected) on) and verifies it: one read. `buf` needs room for more
 /// than the file should hold (a longer file is corrupt too). `direct`: O_DIRECT, around the page cache,

@@ -21,6 +21,7 @@ use fuser::{
     SessionACL,
 };
 
+use crate::cache::disk::DiskStats;
 use crate::vfs::namespace::{Kind, Node, ROOT};
 use crate::vfs::reader::{Blocks, OpenFile};
 
@@ -347,42 +348,107 @@ pub fn report_json(blocks: &Blocks, config: &ServeConfig) -> String {
     let names = &blocks.namespace.stats;
     let memory = blocks.tier.stats();
     let load = |counter: &AtomicU64| counter.load(Ordering::Relaxed);
+    let disk = blocks.disk.as_ref().map(|disk| &disk.stats);
+    let disk_load = |pick: fn(&DiskStats) -> &AtomicU64| disk.map_or(0, |d| load(pick(d)));
+    let usage = blocks.disk_usage();
+    let fields: [(&str, String); 27] = [
+        ("memory_hits", memory.hits.to_string()),
+        ("disk_hits", load(&reader.disk_hits).to_string()),
+        ("misses", load(&reader.misses).to_string()),
+        (
+            "prefetches",
+            (load(&reader.prefetches) + load(&reader.disk_ahead)).to_string(),
+        ),
+        ("prefetch_hits", memory.prefetch_hits.to_string()),
+        (
+            "bytes_from_memory",
+            load(&reader.bytes_from_memory).to_string(),
+        ),
+        ("bytes_from_disk", load(&reader.bytes_from_disk).to_string()),
+        ("bytes_fetched", load(&reader.fetched_bytes).to_string()),
+        ("memory_evictions", memory.evictions.to_string()),
+        ("disk_evictions", usage.evictions.to_string()),
+        ("corrupt_blocks", disk_load(|d| &d.corrupt).to_string()),
+        ("disk_write_failures", disk_load(|d| &d.dropped).to_string()),
+        ("disk_writes_queued", disk_load(|d| &d.queued).to_string()),
+        (
+            "stale_metadata_served",
+            load(&names.stale_served).to_string(),
+        ),
+        ("memory_bytes", memory.bytes.to_string()),
+        ("memory_capacity_bytes", blocks.tier.capacity().to_string()),
+        ("disk_bytes", usage.bytes.to_string()),
+        ("disk_capacity_bytes", usage.capacity.to_string()),
+        ("disk_bound_bytes", usage.bound.to_string()),
+        ("get_requests", load(&reader.fetches).to_string()),
+        ("get_errors", load(&reader.fetch_errors).to_string()),
+        ("list_requests", load(&names.lists).to_string()),
+        ("list_errors", load(&names.backend_errors).to_string()),
+        ("reads", load(&reader.reads).to_string()),
+        ("bytes_read", load(&reader.bytes_read).to_string()),
+        ("shared_waits", memory.shared_waits.to_string()),
+        ("open_files", load(&reader.open_files).to_string()),
+    ];
+    let field = |name: &str| {
+        fields
+            .iter()
+            .find(|(n, _)| *n == name)
+            .map_or("0", |(_, v)| v.as_str())
+            .to_string()
+    };
+    let object = |names: &[&str]| {
+        let inner: Vec<String> = names
+            .iter()
+            .map(|name| format!("\"{name}\": {}", field(name)))
+            .collect();
+        format!("{{{}}}", inner.join(", "))
+    };
+    let cache = object(&[
+        "memory_hits",
+        "disk_hits",
+        "misses",
+        "prefetches",
+        "prefetch_hits",
+        "bytes_from_memory",
+        "bytes_from_disk",
+        "bytes_fetched",
+        "memory_evictions",
+        "disk_evictions",
+        "corrupt_blocks",
+        "disk_write_failures",
+        "disk_writes_queued",
+        "stale_metadata_served",
+    ]);
+    let usage = object(&[
+        "memory_bytes",
+        "memory_capacity_bytes",
+        "disk_bytes",
+        "disk_capacity_bytes",
+        "disk_bound_bytes",
+    ]);
     format!(
         concat!(
-            "{{\"engine\": \"native\", \"source\": {}, \"mountpoint\": {}, \"pid\": {}, \"threads\": {}, ",
-            "\"cache\": {{\"memory_hits\": {}, \"disk_hits\": 0, \"misses\": {}, \"prefetches\": {}, ",
-            "\"prefetch_hits\": {}, \"bytes_from_memory\": {}, \"bytes_from_disk\": 0, ",
-            "\"bytes_fetched\": {}, \"memory_evictions\": {}, \"disk_evictions\": 0, ",
-            "\"corrupt_blocks\": 0, \"disk_write_failures\": 0, \"stale_metadata_served\": {}}}, ",
-            "\"cache_usage\": {{\"memory_bytes\": {}, \"memory_capacity_bytes\": {}, ",
-            "\"disk_bytes\": 0, \"disk_capacity_bytes\": 0}}, ",
-            "\"backend_requests\": {{\"get\": {{\"requests\": {}, \"errors\": {}}}, ",
-            "\"list\": {{\"requests\": {}, \"errors\": {}}}}}, ",
-            "\"reads\": {}, \"bytes_read\": {}, \"shared_waits\": {}, ",
-            "\"uploads_pending\": 0, \"uploads_done\": 0, \"upload_failures\": 0, \"open_files\": {}}}"
+            "{{\"engine\": \"native\", \"source\": {}, \"mountpoint\": {}, \"pid\": {}, ",
+            "\"threads\": {}, \"cache\": {}, \"cache_usage\": {}, \"backend_requests\": ",
+            "{{\"get\": {{\"requests\": {}, \"errors\": {}}}, \"list\": {{\"requests\": {}, ",
+            "\"errors\": {}}}}}, \"reads\": {}, \"bytes_read\": {}, \"shared_waits\": {}, ",
+            "\"uploads_pending\": 0, \"uploads_done\": 0, \"upload_failures\": 0, ",
+            "\"open_files\": {}}}"
         ),
         json_string(&config.source),
         json_string(&config.mountpoint),
         std::process::id(),
         config.threads,
-        memory.hits,
-        memory.misses,
-        memory.prefetches,
-        memory.prefetch_hits,
-        load(&reader.bytes_from_memory),
-        load(&reader.fetched_bytes),
-        memory.evictions,
-        load(&names.stale_served),
-        memory.bytes,
-        blocks.tier.capacity(),
-        load(&reader.fetches),
-        load(&reader.fetch_errors),
-        load(&names.lists),
-        load(&names.backend_errors),
-        load(&reader.reads),
-        load(&reader.bytes_read),
-        memory.shared_waits,
-        load(&reader.open_files),
+        cache,
+        usage,
+        field("get_requests"),
+        field("get_errors"),
+        field("list_requests"),
+        field("list_errors"),
+        field("reads"),
+        field("bytes_read"),
+        field("shared_waits"),
+        field("open_files"),
     )
 }
 

@@ -3,20 +3,24 @@
 //! fetched once however many readers want it, and the blocks after a sequential reader fetched ahead of
 //! it in the background.
 
+use std::cell::Cell;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use crate::backends::bucket::{describe, errno_of};
+use crate::cache::disk::{self, DiskTier};
 use crate::cache::memory::{Block, BlockKey, FetchError, MemoryTier, Served};
 use crate::vfs::namespace::{Errno, Namespace, Node};
 
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub struct ReaderConfig {
     pub block_size: usize,
     /// Blocks fetched ahead of one sequential reader.
     pub ahead_blocks: u64,
     /// Block fetches in the background at once, for every reader together (each holds a block buffer).
     pub max_background: usize,
+    /// The backend's path of the mount's bucket ("bucket/"): a key's path in the disk tier's keys.
+    pub bucket_path: String,
 }
 
 #[derive(Default)]
@@ -27,6 +31,13 @@ pub struct ReaderStats {
     pub bytes_from_memory: AtomicU64,
     pub fetches: AtomicU64,
     pub fetched_bytes: AtomicU64,
+    /// Blocks fetched from the backend for a reader waiting on them, and ahead of their reader.
+    pub misses: AtomicU64,
+    pub prefetches: AtomicU64,
+    /// Blocks read from the disk tier for a reader waiting on them, and ahead of their reader.
+    pub disk_hits: AtomicU64,
+    pub disk_ahead: AtomicU64,
+    pub bytes_from_disk: AtomicU64,
     pub fetch_errors: AtomicU64,
     pub ahead_started: AtomicU64,
     /// Files open now (a gauge).
@@ -35,8 +46,13 @@ pub struct ReaderStats {
 
 /// The data side of the engine: the memory tier and the fetches into it.
 pub struct Blocks {
+    /// The disk tier's size, its --cache-size, the bound in force (the free-space reserve) in bytes, and
+    /// its evictions, as the Python side that writes it last said.
+    disk_usage: Mutex<DiskUsage>,
     pub namespace: Arc<Namespace>,
     pub tier: MemoryTier,
+    /// The node's disk tier, if the mount has a cache directory.
+    pub disk: Option<DiskTier>,
     pub config: ReaderConfig,
     pub stats: ReaderStats,
     background: AtomicUsize,
@@ -58,6 +74,23 @@ impl OpenFile {
     }
 }
 
+/// The disk tier as its writer (pffs's Python code) last reported it.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct DiskUsage {
+    pub bytes: u64,
+    pub capacity: u64,
+    pub bound: u64,
+    pub evictions: u64,
+}
+
+/// Where a block a reader got came from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Origin {
+    Memory,
+    Disk,
+    Backend,
+}
+
 /// What a read answers: one block's bytes (no copy), or several blocks' joined.
 pub enum ReadOut {
     Slice(Block, usize, usize),
@@ -74,14 +107,29 @@ impl ReadOut {
 }
 
 impl Blocks {
-    pub fn new(namespace: Arc<Namespace>, capacity: usize, config: ReaderConfig) -> Self {
+    pub fn new(
+        namespace: Arc<Namespace>,
+        capacity: usize,
+        disk: Option<DiskTier>,
+        config: ReaderConfig,
+    ) -> Self {
         Blocks {
+            disk_usage: Mutex::new(DiskUsage::default()),
             namespace,
             tier: MemoryTier::new(capacity),
+            disk,
             config,
             stats: ReaderStats::default(),
             background: AtomicUsize::new(0),
         }
+    }
+
+    pub fn disk_usage(&self) -> DiskUsage {
+        *self.disk_usage.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub fn set_disk_usage(&self, usage: DiskUsage) {
+        *self.disk_usage.lock().unwrap_or_else(|e| e.into_inner()) = usage;
     }
 
     /// Up to `size` bytes of `file` from `offset` (fewer at its end).
@@ -128,12 +176,13 @@ impl Blocks {
 
     /// Block `index` for a reader taking `bytes` of it, counted by where it came from.
     fn block_for(&self, node: &Node, index: u64, bytes: u64) -> Result<Block, Errno> {
-        let (block, served) = self.block(node, index, false)?;
-        if served != Served::Fetched {
-            self.stats
-                .bytes_from_memory
-                .fetch_add(bytes, Ordering::Relaxed);
-        }
+        let (block, origin) = self.block(node, index, false)?;
+        let counter = match origin {
+            Origin::Memory => &self.stats.bytes_from_memory,
+            Origin::Disk => &self.stats.bytes_from_disk,
+            Origin::Backend => return Ok(block),
+        };
+        counter.fetch_add(bytes, Ordering::Relaxed);
         Ok(block)
     }
 
@@ -145,15 +194,36 @@ impl Blocks {
         }
     }
 
-    /// Block `index` of the node's pinned version (`ahead`: for a reader still to come).
-    fn block(&self, node: &Node, index: u64, ahead: bool) -> Result<(Block, Served), Errno> {
+    /// Block `index` of the node's pinned version (`ahead`: for a reader still to come), and where it
+    /// came from: the memory tier, or the disk tier or the backend (a block from the backend is queued
+    /// for the disk tier).
+    fn block(&self, node: &Node, index: u64, ahead: bool) -> Result<(Block, Origin), Errno> {
         let key = Self::key(node, index);
-        self.tier
-            .get_or_fetch(&key, ahead, || self.fetch(node, index))
-            .map_err(|err| err.errno)
+        let fetched: Cell<Option<Origin>> = Cell::new(None);
+        let (block, served) = self
+            .tier
+            .get_or_fetch(&key, ahead, || self.fetch(node, index, ahead, &fetched))
+            .map_err(|err| err.errno)?;
+        let origin = match (served, fetched.get()) {
+            (Served::Fetched, Some(origin)) => origin,
+            (Served::Fetched, None) => Origin::Backend, // another reader's fetch, waited for
+            _ => Origin::Memory,
+        };
+        if let (Some(Origin::Backend), Some(disk)) = (fetched.get(), &self.disk) {
+            disk.queue_write(self.disk_key(node, index), block.clone());
+        }
+        Ok((block, origin))
     }
 
-    /// The share of the node's blocks (of its version now) the memory tier holds, 0 to 1.
+    /// The block's key in the node's disk tier (shared with pffs's Python code: pffs.vfs.reader).
+    fn disk_key(&self, node: &Node, index: u64) -> String {
+        let path = format!("{}{}", self.config.bucket_path, node.key);
+        let identity = format!("etag:{}", node.etag.trim_matches('"'));
+        let id = disk::cache_id(&path, &identity, node.size);
+        disk::block_key(&id, self.config.block_size, index)
+    }
+
+    /// The share of the node's blocks (of its version now) the memory or disk tier holds, 0 to 1.
     pub fn cached_fraction(&self, node: &Node) -> f64 {
         let bs = self.config.block_size as u64;
         let blocks = node.size.div_ceil(bs);
@@ -161,15 +231,49 @@ impl Blocks {
             return 1.0;
         }
         let held = (0..blocks)
-            .filter(|&index| self.tier.contains(&Self::key(node, index)))
+            .filter(|&index| {
+                self.tier.contains(&Self::key(node, index))
+                    || self
+                        .disk
+                        .as_ref()
+                        .is_some_and(|disk| disk.holds(&self.disk_key(node, index)))
+            })
             .count();
         held as f64 / blocks as f64
     }
 
-    fn fetch(&self, node: &Node, index: u64) -> Result<Vec<u8>, FetchError> {
+    /// The block from the disk tier, or else from the backend; `origin` says which.
+    fn fetch(
+        &self,
+        node: &Node,
+        index: u64,
+        ahead: bool,
+        origin: &Cell<Option<Origin>>,
+    ) -> Result<Vec<u8>, FetchError> {
         let bs = self.config.block_size as u64;
         let start = index * bs;
         let length = bs.min(node.size.saturating_sub(start)) as usize;
+        if let Some(bytes) = self
+            .disk
+            .as_ref()
+            .and_then(|disk| disk.read(&self.disk_key(node, index), length))
+        {
+            let counter = if ahead {
+                &self.stats.disk_ahead
+            } else {
+                &self.stats.disk_hits
+            };
+            counter.fetch_add(1, Ordering::Relaxed);
+            origin.set(Some(Origin::Disk));
+            return Ok(bytes);
+        }
+        origin.set(Some(Origin::Backend));
+        let counter = if ahead {
+            &self.stats.prefetches
+        } else {
+            &self.stats.misses
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
         self.stats.fetches.fetch_add(1, Ordering::Relaxed);
         match self
             .namespace
