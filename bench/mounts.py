@@ -14,7 +14,7 @@ that prefix:
               --attr-ttl 1 --dir-ttl 60 (read-write, the default: modes stored with each object)
     pffs-ro   the same with --read-only (fixed modes, no HEAD per file): what the read-write default costs
     pffs-native  the same with --read-only --engine native (the native engine: several threads, no Python
-              per request; memory tier only so far, so its phases after a remount are cold again)
+              per request; the same disk tier)
     pffs-noprefetch   pffs with --no-prefetch-dirs, for the small-file phases only (first_read,
               small_cold, small_warm): what directory prefetch adds. Not a peer, no target.
     rclone    rclone mount (S3 remote from RCLONE_CONFIG_BENCH_* env vars, provider Other)
@@ -133,7 +133,7 @@ RANDOM_SIZE = 128 << 10
 # pffs-ro: pffs with --read-only (fixed modes, no HEAD per file): what the read-write default costs.
 # mountpoint: Mountpoint for S3 (mount-s3), a peer where its binary is found (--mount-s3), skipped otherwise.
 # pffs-native: pffs --read-only --engine native (issue 44's native engine: several threads, no Python per
-# request; memory tier only so far, so its "warm" phases after a remount read from the server again).
+# request, the same disk tier).
 CLIENTS = ("pffs", "pffs-ro", "pffs-native", "pffs-noprefetch", "rclone", "s3fs", "juicefs", "mountpoint")
 PFFS_CLIENTS = ("pffs", "pffs-ro", "pffs-native", "pffs-noprefetch")
 PEERS = ("rclone", "s3fs", "juicefs", "mountpoint")

@@ -46,6 +46,22 @@ class BlockPayload:
     def __init__(self, data: bytes | memoryview) -> None:
         self.data = data
 
+    @property
+    def length(self) -> int:
+        return len(self.data)
+
+
+class WrittenBlock:
+    """A block whose file someone else wrote whole (the native engine: header and payload, in this block's
+    layout) under a temporary name beside its place: put_blocks reserves its row and renames it into place,
+    or removes it if the block is stored already or gets no room."""
+
+    __slots__ = ("length", "temporary")
+
+    def __init__(self, temporary: str, length: int) -> None:
+        self.temporary = temporary
+        self.length = length
+
 
 class BlockDisk(diskcache.Disk):
     def store(self, value: Any, read: bool, key: Any = UNKNOWN) -> tuple[int, int, str | None, Any]:
@@ -110,6 +126,12 @@ class BlockDisk(diskcache.Disk):
 
 PAGE = 4096
 _direct_supported = True  # off for good after the first refusal (EINVAL: not supported here)
+
+
+def _remove_all(paths: list[str]) -> None:
+    for path in paths:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
 
 
 def _page_aligned(view: memoryview) -> bool:
@@ -258,7 +280,7 @@ class BlockStore(diskcache.Cache):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.block_path(key))
 
-    def put_blocks(self, blocks: list[tuple[str, BlockPayload]]) -> int:
+    def put_blocks(self, blocks: list[tuple[str, BlockPayload | WrittenBlock]]) -> int:
         """Stores the blocks that are not stored yet, never holding more bytes than the size limit, whatever
         the number of processes writing: room is reserved first (a row of the block's size, evicting the
         least recently used blocks, their files removed in the same transaction), then the file is written
@@ -270,24 +292,41 @@ class BlockStore(diskcache.Cache):
         # file, and the second rename would fail (ENOENT), which turned the disk tier off for a minute.
         unique = {key: payload for key, payload in reversed(blocks)}
         wanted = [(key, unique.pop(key), block_filename(key)) for key, _ in blocks if key in unique]
-        evicted, reserved = self._reserve(wanted, now)
+        # Files written by someone else that will not be published: the duplicates dropped above, and
+        # below those not reserved (stored already, no room) or left by a failure.
+        kept = {id(payload) for _, payload, _ in wanted}
+        unused = [p.temporary for _, p in blocks if isinstance(p, WrittenBlock) and id(p) not in kept]
+        try:
+            evicted, reserved = self._reserve(wanted, now)
+        except BaseException:
+            unused += [p.temporary for _, p, _ in wanted if isinstance(p, WrittenBlock)]
+            _remove_all(unused)
+            raise
         written: list[tuple[str, str, str]] = []  # key, filename, temporary path
         try:
             for key, payload, filename in wanted:
-                if key in reserved:
+                if key not in reserved:
+                    if isinstance(payload, WrittenBlock):
+                        unused.append(payload.temporary)
+                elif isinstance(payload, WrittenBlock):
+                    written.append((key, filename, payload.temporary))
+                else:
                     temporary, _ = self._disk.write_temporary(filename, payload.data)
                     written.append((key, filename, temporary))
             self._publish(written)
         except BaseException:
-            for _, _, temporary in written:
-                with contextlib.suppress(OSError):
-                    os.unlink(temporary)
+            unused += [temporary for _, _, temporary in written]
+            unused += [p.temporary for k, p, _ in wanted if isinstance(p, WrittenBlock) and k in reserved]
             with contextlib.suppress(Exception):
                 self._release(list(reserved))
             raise
+        finally:
+            _remove_all(unused)
         return evicted
 
-    def _reserve(self, wanted: list[tuple[str, BlockPayload, str]], now: float) -> tuple[int, set[str]]:
+    def _reserve(
+        self, wanted: list[tuple[str, BlockPayload | WrittenBlock, str]], now: float
+    ) -> tuple[int, set[str]]:
         """Rows for the blocks not stored yet, marked reserved (access time RESERVED + now), and room for
         them; returns (blocks evicted, keys reserved)."""
         reserved: set[str] = set()
@@ -305,7 +344,7 @@ class BlockStore(diskcache.Cache):
                     if access_time < RESERVED and os.path.exists(os.path.join(self.directory, filename)):
                         continue  # stored
                     sql("DELETE FROM Cache WHERE rowid = ?", (rowid,))  # a dead writer's, or its file lost
-                size = header_size(len(payload.data)) + len(payload.data)
+                size = header_size(payload.length) + payload.length
                 sql(
                     "INSERT INTO Cache(key, raw, store_time, expire_time, access_time, access_count, tag, "
                     "size, mode, filename, value) VALUES (?, ?, ?, NULL, ?, 0, NULL, ?, ?, ?, NULL)",

@@ -8,13 +8,15 @@ and reads carry on from the backend: the cache is an accelerator, never a reason
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import sqlite3
 import time
 from concurrent.futures import Future
 from pathlib import Path
 
-from .block_disk import BlockDisk, BlockPayload, BlockStore
+from .block_disk import BlockDisk, BlockPayload, BlockStore, WrittenBlock
 from .block_format import CorruptBlockError, is_intact
 from .disk_writer import Block, DiskWriter, Then
 from .stats import CacheStats
@@ -122,10 +124,27 @@ class DiskTier:
         self.writer.hold(key, payload)
 
     def _put_batch(self, blocks: list[tuple[str, bytes | memoryview]]) -> bool:
+        return self._store([(key, BlockPayload(payload)) for key, payload in blocks])
+
+    def adopt(self, blocks: list[tuple[str, str, int]]) -> bool:
+        """Stores blocks whose files another writer (the native engine) made whole under a temporary name
+        beside their place, as (key, temporary path, payload length): each is renamed into place with its
+        row, or removed (stored already, no room, the disk refused). False if the disk refused them."""
+        written: list[tuple[str, BlockPayload | WrittenBlock]] = [
+            (key, WrittenBlock(temporary, length)) for key, temporary, length in blocks
+        ]
+        if self.off or not self._store(written):
+            for _, temporary, _ in blocks:
+                with contextlib.suppress(OSError):
+                    os.unlink(temporary)
+            return False
+        return True
+
+    def _store(self, blocks: list[tuple[str, BlockPayload | WrittenBlock]]) -> bool:
         if time.monotonic() < self._writes_disabled_until:
             return False
         try:
-            evicted = self._cache.put_blocks([(key, BlockPayload(payload)) for key, payload in blocks])
+            evicted = self._cache.put_blocks(blocks)
             if evicted:
                 self.stats.add("disk_evictions", evicted)
         except (OSError, sqlite3.Error) as exc:

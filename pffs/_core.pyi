@@ -115,7 +115,7 @@ class NativeMount:
         in "/"); `cache`: (memory bytes, block size, blocks read ahead, background fetches); `names`: (dir
         TTL, stale-if-error, attr TTL) seconds; `shown`: (uid, gid, file mode, dir mode, allow other,
         threads, fsname, source URL, root URL); `disk`: (the cache directory whose disk tier is read, the
-        bytes of fetched blocks queued for take_writes at most) or None. Raises OSError if the mount cannot
+        bytes of fetched blocks queued for its writer at most) or None. Raises OSError if the mount cannot
         be made."""
     def wait(self, timeout: float) -> bool:
         """Waits up to `timeout` seconds for serving to end; whether it has."""
@@ -123,10 +123,13 @@ class NativeMount:
         """Unmounts (if still mounted) and waits for the serving threads."""
     def report(self) -> str:
         """The mount's report as JSON, in the shape of the Python engine's (`pffs stats`)."""
-    def take_writes(self, timeout: float) -> list[tuple[str, bytes]]:
-        """The blocks fetched from the backend since the last call, as (disk-tier key, payload): waits up
-        to `timeout` seconds for one, without the GIL; empty once close_writes was called and all taken."""
+    def take_written(self, timeout: float) -> list[tuple[str, str, int]]:
+        """The block files the engine wrote since the last call under temporary names, as (disk-tier key,
+        temporary path, payload length), for DiskTier.adopt: waits up to `timeout` seconds for one, without
+        the GIL; empty once close_writes was called and everything was taken."""
     def close_writes(self) -> None:
-        """No more blocks are queued for the disk tier; a take_writes waiting returns."""
+        """No more blocks are queued: those queued are written, then take_written returns empty."""
+    def set_credentials(self, credentials: tuple[str, str, str | None] | None) -> None:
+        """From now on, requests are signed with `credentials` (None: unsigned)."""
     def set_disk_usage(self, bytes: int, capacity: int, bound: int, evictions: int) -> None:
         """The disk tier's bytes, its --cache-size, the bound in force and its evictions, for the report."""

@@ -79,7 +79,7 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
         choices=("python", "native"),
         default="python",
         help="what serves the mount: python (default; every feature) or native (several threads, no "
-        "Python per request; so far read-only S3 over http, memory cache only: needs --read-only)",
+        "Python per request; so far read-only S3 over http: needs --read-only; docs/guides/native-engine.md)",
     )
     p.add_argument(
         "--threads",

@@ -7,7 +7,8 @@ and this module waits for the mount to end while signals are handled, then says 
 
 What the engine does not do yet (issue 44 lands in steps), and refuses with one line rather than serving
 differently: writes (--read-only is required), https endpoints (its client speaks plain http), sources other
-than S3, cache groups. Its cache is the memory tier alone: blocks are not written to the disk tier.
+than S3, cache groups. It reads the node's disk tier itself; the blocks it fetches are written there by
+the engine too, and published in the disk tier's index, which stays in Python for now (Upkeep).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Any
 
 from pffs import _core
 from pffs.backends.backend import Backend, S3Backend
+from pffs.backends.s3_native import CREDENTIALS_REFRESH_S, Credentials
 from pffs.cache.disk_tier import WRITE_BEHIND_BYTES, DiskTier
 from pffs.fuse import mount_record
 from pffs.fuse.ending import Ending
@@ -36,7 +38,7 @@ from pffs.vfs.vfs import shared_block_cache
 log = logging.getLogger(__name__)
 
 POLL_S = 0.2  # how often the wait for the mount's end lets Python's signal handlers run
-USAGE_EVERY_S = 2.0  # how often the engine's report learns the disk tier's usage
+UPKEEP_EVERY_S = 2.0  # how often the engine's report learns the disk tier's usage
 READ_AHEAD_KB = 4096  # as the Python engine's (pffs.fuse.mount.READ_AHEAD_KB)
 
 
@@ -115,7 +117,7 @@ def serve_native(
         ),
         (str(cache.cache_dir), WRITE_BEHIND_BYTES) if disk is not None else None,
     )
-    writes = DiskWrites(mount, disk) if disk is not None else None
+    upkeep = Upkeep(mount, disk, lambda: getter.bucket_target(bucket)[1])
     _raise_read_ahead(options.mountpoint)
     if options.metrics_port:
         start_metrics_server(lambda: _report(mount), options.metrics_address, options.metrics_port)
@@ -129,8 +131,7 @@ def serve_native(
     ready(tuple(notices))
     mount_record.running(record, public_url(options.source), options.mountpoint, options.log_file, supervisor)
     signalled, detached = _wait_for_the_end(mount, options.mountpoint)
-    if writes is not None:
-        writes.finish()
+    upkeep.finish()
     report = _report(mount)
     log.info(
         "native engine: %d reads, %d blocks fetched (%d failed, %d ahead of their reader), %d memory hits, "
@@ -183,31 +184,44 @@ def _wait_for_the_end(mount: Any, mountpoint: Path) -> tuple[str | None, bool]:
     return signalled, detached
 
 
-class DiskWrites:
-    """The blocks the native engine fetched, handed to the disk tier's writer (its SQLite index stays in
-    Python) by one thread, off the path of every request; it also tells the engine the disk tier's usage
-    for its report."""
+class Upkeep:
+    """What the native engine needs of Python while it serves, done by one thread off the path of every
+    request: the block files it wrote published in the disk tier's index (which stays in Python: a row,
+    then the rename into place), the disk tier's usage told to its report, and its credentials renewed
+    (temporary ones expire)."""
 
-    def __init__(self, mount: Any, disk: DiskTier) -> None:
+    def __init__(
+        self, mount: Any, disk: DiskTier | None, credentials: Callable[[], Credentials | None]
+    ) -> None:
         self.mount = mount
         self.disk = disk
+        self.credentials = credentials
         self.closed = threading.Event()
-        self.thread = threading.Thread(target=self._run, name="pffs-disk-writes", daemon=True)
+        self.thread = threading.Thread(target=self._run, name="pffs-native-upkeep", daemon=True)
         self.thread.start()
 
     def _run(self) -> None:
-        said = 0.0
+        self._tell_usage()
+        said = renewed = time.monotonic()
         while True:
-            taken = self.mount.take_writes(USAGE_EVERY_S)
-            for key, payload in taken:
-                self.disk.put_later(key, payload)
-            if time.monotonic() - said >= USAGE_EVERY_S:
+            taken = self.mount.take_written(UPKEEP_EVERY_S) if self.disk is not None else []
+            if self.disk is None:
+                self.closed.wait(UPKEEP_EVERY_S)
+            elif taken:
+                self.disk.adopt(taken)
+            now = time.monotonic()
+            if now - said >= UPKEEP_EVERY_S:
                 self._tell_usage()
-                said = time.monotonic()
+                said = now
+            if now - renewed >= CREDENTIALS_REFRESH_S:
+                self._renew_credentials()
+                renewed = now
             if not taken and self.closed.is_set():
                 return
 
     def _tell_usage(self) -> None:
+        if self.disk is None:
+            return
         try:
             evictions = self.disk.stats.snapshot().get("disk_evictions", 0)
             self.mount.set_disk_usage(
@@ -216,12 +230,23 @@ class DiskWrites:
         except Exception as exc:  # the disk tier failing must not stop the writes
             log.info("could not read the disk cache's usage: %s", exc)
 
+    def _renew_credentials(self) -> None:
+        try:
+            creds = self.credentials()
+        except Exception as exc:  # the ones in use go on until they are refused
+            log.warning("could not renew the S3 credentials (%s); the native engine keeps the last ones", exc)
+            return
+        self.mount.set_credentials(
+            (creds.access_key, creds.secret_key, creds.token) if creds is not None else None
+        )
+
     def finish(self) -> None:
         """Writes what the engine queued, then stops."""
         self.closed.set()
         self.mount.close_writes()
         self.thread.join()
-        self.disk.close()  # drains its writer, then closes the index
+        if self.disk is not None:
+            self.disk.close()
 
 
 def _raise_read_ahead(mountpoint: Path) -> None:

@@ -44,7 +44,7 @@ class MountOptions(BaseModel):
     attr_ttl: float = Field(1.0, ge=0, le=86400, description="seconds the kernel trusts attributes and names")
     read_only: bool = False
     # The native engine (pffs_core::fuse, issue 44): several threads answer the kernel without Python. So far
-    # read-only mounts of S3 over http, with the memory tier only (pffs.fuse.native_engine).
+    # read-only mounts of S3 over http (pffs.fuse.native_engine, docs/guides/native-engine.md).
     engine: Literal["python", "native"] = Field(
         "python", description="what serves the mount: pffs's Python engine or the native one"
     )

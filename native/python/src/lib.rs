@@ -528,7 +528,10 @@ mod _core {
                 max_background,
                 bucket_path: format!("{bucket_name}/"),
             };
-            let disk = disk.map(|(dir, bound)| DiskTier::new(&dir, bound));
+            let disk = match disk {
+                Some((dir, bound)) => Some(DiskTier::start(&dir, bound)?),
+                None => None,
+            };
             let blocks = Arc::new(Blocks::new(namespace, memory, disk, reader));
             let (uid, gid, file_mode, dir_mode, allow_other, threads, fsname, source, root_url) =
                 shown;
@@ -588,29 +591,29 @@ mod _core {
             fuse::report_json(&self.blocks, &self.served)
         }
 
-        /// The blocks fetched from the backend since the last call, as (disk-tier key, payload), for
-        /// the disk tier's writer: waits up to `timeout` seconds for one, without the GIL. Empty once
-        /// `close_writes` was called and everything was taken (or the mount has no disk tier).
-        fn take_writes<'py>(
-            &self,
-            py: Python<'py>,
-            timeout: f64,
-        ) -> Vec<(String, Bound<'py, PyBytes>)> {
-            let Some(disk) = &self.blocks.disk else {
-                return Vec::new();
-            };
-            let taken = py.detach(|| disk.take_writes(seconds(timeout)));
-            taken
-                .into_iter()
-                .map(|(key, block)| (key, PyBytes::new(py, &block)))
-                .collect()
+        /// The block files the engine wrote since the last call, under temporary names, as (disk-tier
+        /// key, temporary path, payload length), for the disk tier's index to publish (DiskTier.adopt):
+        /// waits up to `timeout` seconds for one, without the GIL. Empty once `close_writes` was called
+        /// and everything was taken (or the mount has no disk tier).
+        fn take_written(&self, py: Python<'_>, timeout: f64) -> Vec<(String, PathBuf, usize)> {
+            match &self.blocks.disk {
+                Some(disk) => py.detach(|| disk.take_written(seconds(timeout))),
+                None => Vec::new(),
+            }
         }
 
-        /// No more blocks are queued for the disk tier; a `take_writes` waiting returns.
+        /// No more blocks are queued for the disk tier: those queued are written, then `take_written`
+        /// returns empty.
         fn close_writes(&self) {
             if let Some(disk) = &self.blocks.disk {
                 disk.close();
             }
+        }
+
+        /// From now on, requests are signed with `credentials` ((access key, secret key, session token),
+        /// or None: unsigned): temporary credentials are renewed while the mount runs.
+        fn set_credentials(&self, credentials: Option<Credentials>) {
+            self.blocks.namespace.bucket().set_credentials(credentials);
         }
 
         /// The disk tier's bytes, its --cache-size, the bound in force and its evictions, for the report.

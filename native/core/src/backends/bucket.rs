@@ -7,6 +7,7 @@
 //! once, when the mount starts.
 
 use std::cell::Cell;
+use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use super::s3_get::{self, Credentials, Endpoint, Get, GetError, Signer, Timeouts};
@@ -32,7 +33,7 @@ pub struct BucketConfig {
     pub path_prefix: String,
     pub region: String,
     /// (access key, secret key, session token); None: anonymous.
-    pub credentials: Option<(String, String, Option<String>)>,
+    pub credentials: Option<OwnedCredentials>,
     pub connect_timeout: Duration,
     /// Each wait for the next bytes of an answer (a stalled answer is abandoned and retried).
     pub read_timeout: Duration,
@@ -40,15 +41,38 @@ pub struct BucketConfig {
     pub deadline: Duration,
 }
 
+/// (access key, secret key, session token).
+pub type OwnedCredentials = (String, String, Option<String>);
+
 pub struct Bucket {
     config: BucketConfig,
     signer: Signer,
+    /// The credentials now: replaced while the mount runs (temporary credentials expire), so each
+    /// call takes the current ones (config.credentials are the first).
+    credentials: RwLock<Option<Arc<OwnedCredentials>>>,
 }
 
 impl Bucket {
     pub fn new(config: BucketConfig) -> Self {
         let signer = Signer::new(&config.region);
-        Bucket { config, signer }
+        let credentials = RwLock::new(config.credentials.clone().map(Arc::new));
+        Bucket {
+            config,
+            signer,
+            credentials,
+        }
+    }
+
+    /// From now on, calls are signed with `credentials` (None: unsigned).
+    pub fn set_credentials(&self, credentials: Option<OwnedCredentials>) {
+        *self.credentials.write().unwrap_or_else(|e| e.into_inner()) = credentials.map(Arc::new);
+    }
+
+    fn current_credentials(&self) -> Option<Arc<OwnedCredentials>> {
+        self.credentials
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 
     fn endpoint(&self) -> Endpoint<'_> {
@@ -58,17 +82,6 @@ impl Bucket {
             port: self.config.port,
             path_prefix: &self.config.path_prefix,
         }
-    }
-
-    fn credentials(&self) -> Option<Credentials<'_>> {
-        self.config
-            .credentials
-            .as_ref()
-            .map(|(access_key, secret_key, token)| Credentials {
-                access_key,
-                secret_key,
-                token: token.as_deref(),
-            })
     }
 
     fn timeouts(&self, deadline: Instant) -> Timeouts {
@@ -81,6 +94,7 @@ impl Bucket {
 
     /// Every object and common prefix under `prefix`, one level deep (delimiter "/").
     pub fn list_dir(&self, prefix: &str) -> Result<ListPage, GetError> {
+        let owned = self.current_credentials();
         self.retried(|timeouts| {
             s3_list::list_all(
                 &self.signer,
@@ -90,7 +104,7 @@ impl Bucket {
                     delimiter: Some("/"),
                     continuation: None,
                     max_keys: 1000,
-                    credentials: self.credentials(),
+                    credentials: borrowed(&owned),
                     timeouts,
                 },
             )
@@ -99,13 +113,14 @@ impl Bucket {
 
     /// The object's size, ETag and time; None if there is no such key.
     pub fn head(&self, key: &str) -> Result<Option<ObjectInfo>, GetError> {
+        let owned = self.current_credentials();
         self.retried(|timeouts| {
             s3_list::head(
                 &self.signer,
                 &Head {
                     endpoint: self.endpoint(),
                     key,
-                    credentials: self.credentials(),
+                    credentials: borrowed(&owned),
                     timeouts,
                 },
             )
@@ -122,6 +137,7 @@ impl Bucket {
         length: usize,
     ) -> Result<Vec<u8>, GetError> {
         let mut into = vec![0u8; length];
+        let owned = self.current_credentials();
         self.retried(|timeouts| {
             s3_get::get(
                 &self.signer,
@@ -131,7 +147,7 @@ impl Bucket {
                     start,
                     etag: Some(etag),
                     version_id: None,
-                    credentials: self.credentials(),
+                    credentials: borrowed(&owned),
                     timeouts,
                 },
                 &mut into,
@@ -164,6 +180,16 @@ impl Bucket {
         }
         unreachable!()
     }
+}
+
+fn borrowed(owned: &Option<Arc<OwnedCredentials>>) -> Option<Credentials<'_>> {
+    owned
+        .as_deref()
+        .map(|(access_key, secret_key, token)| Credentials {
+            access_key,
+            secret_key,
+            token: token.as_deref(),
+        })
 }
 
 /// Whether a failure is worth another attempt, and whether it said "slow down": Some(throttled).

@@ -4,15 +4,17 @@
 //!
 //! A block's file name is a hash of its key (`blocks/abc/abc….blk`, BLAKE2b-128 of the key), so a read
 //! needs no index: it opens the file, checks the header and the segment checksums, and serves the payload,
-//! without Python. Writing needs the index (diskcache's SQLite: sizes, access times, eviction, the bound and
-//! the free-space reserve), which stays in Python for now: blocks fetched here are queued, and a Python
-//! thread of the mount takes them off the queue and hands them to the disk tier's writer, off the path of
-//! any request. The queue is bounded; a block that finds it full is not written (counted), never waited for.
+//! without Python. Blocks fetched here are written here too, by a writer thread, whole, under a temporary
+//! name beside their place; the index (diskcache's SQLite: sizes, access times, eviction, the bound and the
+//! free-space reserve) stays in Python for now, so a Python thread of the mount takes the written files and
+//! publishes them (DiskTier.adopt: a row, then the rename), off the path of any request. The queue is
+//! bounded; a block that finds no room within ROOM_WAIT is not written (counted).
 
 use std::collections::VecDeque;
+use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
 use blake2::Blake2b;
@@ -28,23 +30,42 @@ pub struct DiskStats {
     pub bytes_read: AtomicU64,
     pub corrupt: AtomicU64,
     pub read_errors: AtomicU64,
+    /// Blocks queued for writing, and those not written: no room in the queue within ROOM_WAIT, or the
+    /// write failed.
     pub queued: AtomicU64,
     pub dropped: AtomicU64,
+    pub write_errors: AtomicU64,
 }
 
+/// How long a fetch that queues its block waits for room before the block goes unwritten: the disk
+/// slower than the network for that long.
+const ROOM_WAIT: Duration = Duration::from_secs(1);
+
+/// Blocks waiting for the writer thread.
 struct WriteQueue {
     blocks: VecDeque<(String, Block)>,
     bytes: usize,
     closed: bool,
 }
 
+/// Block files written, waiting to be published by the index's owner: (key, temporary path, length).
+#[derive(Default)]
+struct Written {
+    files: Vec<(String, PathBuf, usize)>,
+    done: bool,
+}
+
 pub struct DiskTier {
     /// The disk tier's `blocks` folder: `<cache dir>/blocks`.
     blocks_dir: PathBuf,
     queue: Mutex<WriteQueue>,
-    queued: Condvar,
+    /// A block queued (for the writer), or room made (for those queueing).
+    changed: Condvar,
     /// Bytes of blocks waiting to be written, at most (as the Python disk writer's WRITE_BEHIND_BYTES).
     queue_bound: usize,
+    written: Mutex<Written>,
+    published: Condvar,
+    next_temporary: AtomicU64,
     pub stats: DiskStats,
 }
 
@@ -74,18 +95,27 @@ pub fn block_key(cache_id: &str, block_size: usize, index: u64) -> String {
 }
 
 impl DiskTier {
-    pub fn new(cache_dir: &Path, queue_bound: usize) -> Self {
-        DiskTier {
+    /// The disk tier of `cache_dir`, with its writer thread started.
+    pub fn start(cache_dir: &Path, queue_bound: usize) -> std::io::Result<Arc<Self>> {
+        let tier = Arc::new(DiskTier {
             blocks_dir: cache_dir.join("blocks"),
             queue: Mutex::new(WriteQueue {
                 blocks: VecDeque::new(),
                 bytes: 0,
                 closed: false,
             }),
-            queued: Condvar::new(),
+            changed: Condvar::new(),
             queue_bound,
+            written: Mutex::new(Written::default()),
+            published: Condvar::new(),
+            next_temporary: AtomicU64::new(0),
             stats: DiskStats::default(),
-        }
+        });
+        let writer = tier.clone();
+        std::thread::Builder::new()
+            .name("pffs-disk-writer".into())
+            .spawn(move || writer.write_queued())?;
+        Ok(tier)
     }
 
     fn path(&self, key: &str) -> PathBuf {
@@ -130,43 +160,113 @@ impl DiskTier {
         }
     }
 
-    /// Queues a fetched block for the disk tier's writer; false (counted) if the queue is full.
+    /// Queues a fetched block for the writer thread, waiting up to ROOM_WAIT for room; false (counted)
+    /// if there was none, or the tier is closed.
     pub fn queue_write(&self, key: String, block: Block) -> bool {
-        let mut queue = self.queue.lock().unwrap_or_else(|e| e.into_inner());
-        if queue.closed || queue.bytes + block.len() > self.queue_bound {
+        let queue = self.queue.lock().unwrap_or_else(|e| e.into_inner());
+        let (mut queue, _) = self
+            .changed
+            .wait_timeout_while(queue, ROOM_WAIT, |q| {
+                !q.closed && q.bytes > 0 && q.bytes + block.len() > self.queue_bound
+            })
+            .unwrap_or_else(|e| e.into_inner());
+        if queue.closed || (queue.bytes > 0 && queue.bytes + block.len() > self.queue_bound) {
             self.stats.dropped.fetch_add(1, Ordering::Relaxed);
             return false;
         }
         queue.bytes += block.len();
         queue.blocks.push_back((key, block));
         self.stats.queued.fetch_add(1, Ordering::Relaxed);
-        self.queued.notify_one();
+        self.changed.notify_all();
         true
     }
 
-    /// The blocks queued, waiting up to `wait` for one; empty once closed and drained.
-    pub fn take_writes(&self, wait: Duration) -> Vec<(String, Block)> {
-        let queue = self.queue.lock().unwrap_or_else(|e| e.into_inner());
-        let (mut queue, _) = self
-            .queued
-            .wait_timeout_while(queue, wait, |q| q.blocks.is_empty() && !q.closed)
-            .unwrap_or_else(|e| e.into_inner());
-        queue.bytes = 0;
-        queue.blocks.drain(..).collect()
+    /// The writer thread: each queued block written whole under a temporary name beside its place,
+    /// for the index's owner to publish; until closed and drained.
+    fn write_queued(&self) {
+        loop {
+            let next = {
+                let queue = self.queue.lock().unwrap_or_else(|e| e.into_inner());
+                let mut queue = self
+                    .changed
+                    .wait_while(queue, |q| q.blocks.is_empty() && !q.closed)
+                    .unwrap_or_else(|e| e.into_inner());
+                queue.blocks.pop_front()
+            };
+            let Some((key, block)) = next else {
+                break; // closed, and nothing left
+            };
+            let written = self.write_temporary(&key, &block);
+            {
+                let mut queue = self.queue.lock().unwrap_or_else(|e| e.into_inner());
+                queue.bytes -= block.len();
+                self.changed.notify_all();
+            }
+            if let Some(temporary) = written {
+                let mut written = self.written.lock().unwrap_or_else(|e| e.into_inner());
+                written.files.push((key, temporary, block.len()));
+                self.published.notify_all();
+            }
+        }
+        let mut written = self.written.lock().unwrap_or_else(|e| e.into_inner());
+        written.done = true;
+        self.published.notify_all();
     }
 
-    /// No more writes are queued; a waiting taker returns.
+    /// The block file (header, then payload) under a temporary name beside where it goes.
+    fn write_temporary(&self, key: &str, block: &[u8]) -> Option<PathBuf> {
+        let path = self.path(key);
+        let serial = self.next_temporary.fetch_add(1, Ordering::Relaxed);
+        let temporary = PathBuf::from(format!(
+            "{}.{}.n{serial}.tmp",
+            path.display(),
+            std::process::id()
+        ));
+        let result = (|| -> std::io::Result<()> {
+            if let Some(folder) = path.parent() {
+                std::fs::create_dir_all(folder)?;
+            }
+            let mut file = std::fs::File::create(&temporary)?;
+            file.write_all(&block_file::block_header(block))?;
+            file.write_all(block)
+        })();
+        match result {
+            Ok(()) => Some(temporary),
+            Err(err) => {
+                self.stats.write_errors.fetch_add(1, Ordering::Relaxed);
+                let _ = std::fs::remove_file(&temporary);
+                crate::log::warn(&format!(
+                    "could not write a block to the disk cache in {} ({err}); reads go on without it",
+                    self.blocks_dir.display()
+                ));
+                None
+            }
+        }
+    }
+
+    /// The block files written since the last call, as (key, temporary path, payload length), for
+    /// the index's owner to publish (pffs's Python DiskTier.adopt): waits up to `wait` for one. Empty
+    /// once closed and everything was taken.
+    pub fn take_written(&self, wait: Duration) -> Vec<(String, PathBuf, usize)> {
+        let written = self.written.lock().unwrap_or_else(|e| e.into_inner());
+        let (mut written, _) = self
+            .published
+            .wait_timeout_while(written, wait, |w| w.files.is_empty() && !w.done)
+            .unwrap_or_else(|e| e.into_inner());
+        std::mem::take(&mut written.files)
+    }
+
+    /// No more blocks are queued; the writer writes what is queued, then take_written says it is done.
     pub fn close(&self) {
         let mut queue = self.queue.lock().unwrap_or_else(|e| e.into_inner());
         queue.closed = true;
-        self.queued.notify_all();
+        self.changed.notify_all();
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::sync::Arc;
 
     #[test]
     fn names_are_pythons() {
@@ -185,7 +285,7 @@ mod tests {
     #[test]
     fn reads_what_the_block_format_wrote_and_drops_what_is_damaged() {
         let dir = std::env::temp_dir().join(format!("pffs-disk-test-{}", std::process::id()));
-        let tier = DiskTier::new(&dir, 1 << 20);
+        let tier = DiskTier::start(&dir, 1 << 20).unwrap();
         let payload: Vec<u8> = (0..100_000u32).map(|i| (i * 7) as u8).collect();
         let path = tier.path("k-1");
         std::fs::create_dir_all(path.parent().unwrap()).unwrap();
@@ -204,16 +304,28 @@ mod tests {
     }
 
     #[test]
-    fn the_write_queue_is_bounded_and_drained_in_order() {
-        let tier = DiskTier::new(Path::new("/nonexistent"), 10);
-        assert!(tier.queue_write("a".into(), Arc::new(vec![0; 6])));
-        assert!(!tier.queue_write("b".into(), Arc::new(vec![0; 6])));
-        assert!(tier.queue_write("c".into(), Arc::new(vec![0; 4])));
-        let taken = tier.take_writes(Duration::from_millis(1));
-        let keys: Vec<_> = taken.iter().map(|(k, _)| k.as_str()).collect();
-        assert_eq!(keys, ["a", "c"]);
-        assert_eq!(tier.stats.dropped.load(Ordering::Relaxed), 1);
+    fn queued_blocks_are_written_whole_for_the_index_to_publish() {
+        let dir = std::env::temp_dir().join(format!("pffs-disk-writes-{}", std::process::id()));
+        let tier = DiskTier::start(&dir, 1 << 20).unwrap();
+        let payload: Vec<u8> = (0..70_000u32).map(|i| (i * 13) as u8).collect();
+        assert!(tier.queue_write("w-1".into(), Arc::new(payload.clone())));
+        assert!(tier.queue_write("w-2".into(), Arc::new(vec![7; 10])));
         tier.close();
-        assert!(tier.take_writes(Duration::from_secs(5)).is_empty());
+        let mut written = Vec::new();
+        loop {
+            let taken = tier.take_written(Duration::from_secs(5));
+            if taken.is_empty() {
+                break;
+            }
+            written.extend(taken);
+        }
+        let keys: Vec<_> = written.iter().map(|(k, _, _)| k.as_str()).collect();
+        assert_eq!(keys, ["w-1", "w-2"]);
+        // Published (renamed into place), the file is a block the reader accepts.
+        let (_, temporary, length) = &written[0];
+        std::fs::rename(temporary, tier.path("w-1")).unwrap();
+        assert_eq!(tier.read("w-1", *length).unwrap(), payload);
+        assert!(!tier.queue_write("late".into(), Arc::new(vec![1])));
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -369,7 +369,10 @@ pub fn report_json(blocks: &Blocks, config: &ServeConfig) -> String {
         ("memory_evictions", memory.evictions.to_string()),
         ("disk_evictions", usage.evictions.to_string()),
         ("corrupt_blocks", disk_load(|d| &d.corrupt).to_string()),
-        ("disk_write_failures", disk_load(|d| &d.dropped).to_string()),
+        (
+            "disk_write_failures",
+            (disk_load(|d| &d.dropped) + disk_load(|d| &d.write_errors)).to_string(),
+        ),
         ("disk_writes_queued", disk_load(|d| &d.queued).to_string()),
         (
             "stale_metadata_served",

@@ -52,7 +52,7 @@ pub struct Blocks {
     pub namespace: Arc<Namespace>,
     pub tier: MemoryTier,
     /// The node's disk tier, if the mount has a cache directory.
-    pub disk: Option<DiskTier>,
+    pub disk: Option<Arc<DiskTier>>,
     pub config: ReaderConfig,
     pub stats: ReaderStats,
     background: AtomicUsize,
@@ -110,7 +110,7 @@ impl Blocks {
     pub fn new(
         namespace: Arc<Namespace>,
         capacity: usize,
-        disk: Option<DiskTier>,
+        disk: Option<Arc<DiskTier>>,
         config: ReaderConfig,
     ) -> Self {
         Blocks {
