@@ -9,6 +9,7 @@ import json
 import multiprocessing
 import os
 import random
+import stat
 import subprocess
 import time
 import uuid
@@ -56,7 +57,8 @@ def dataset(s3_server: SeaweedS3) -> dict[str, Any]:
     files["data/deep/er/still/x.bin"] = pattern(BLOCK * 2 + 9, seed=77)
     raw.pipe({f"{bucket}/{key}": value for key, value in files.items()})
     # A key beside keys under it: the directory hides it (Mountpoint's rule, and the Python engine's).
-    raw.pipe({f"{bucket}/data/shadow": b"hidden by the directory", f"{bucket}/data/shadow/in.txt": b"shown"})
+    raw.pipe(f"{bucket}/data/shadow/in.txt", b"shown")
+    raw.pipe(f"{bucket}/data/shadow", b"hidden by the directory")
     return {"raw": raw, "bucket": bucket, "files": files}
 
 
@@ -81,7 +83,12 @@ def test_every_file_reads_byte_exact_and_lists_as_the_bucket_says(
         local = native.path / key.removeprefix("data/")
         assert os.path.getsize(local) == len(data), key
         assert sha256(local.read_bytes()) == sha256(data), key
-    assert (native.path / "shadow").is_dir() and (native.path / "shadow" / "in.txt").read_bytes() == b"shown"
+    shadow = native.path / "shadow"
+    assert stat.S_ISDIR(os.stat(shadow).st_mode), (
+        os.stat(shadow),
+        dataset["raw"].ls(f"{dataset['bucket']}/data"),
+    )
+    assert (shadow / "in.txt").read_bytes() == b"shown"
     report = native.stats()
     assert report["engine"] == "native" and report["pid"] == native.pid
     assert report["backend_requests"]["get"]["errors"] == 0
@@ -332,3 +339,33 @@ def test_the_disk_tier_is_the_nodes_one_shared_with_the_python_engine(
         report = mount.stats()
         assert report["cache"]["corrupt_blocks"] == 1 and report["cache"]["misses"] == 1, report["cache"]
         assert report["cache_usage"]["disk_bytes"] > 0
+
+
+def test_random_reads_of_blocks_on_disk_read_only_what_they_need(
+    native: Mount, dataset: dict[str, Any], s3_server: SeaweedS3, tmp_path: Path
+) -> None:
+    name = f"size-{(3 << 20) + 5}.bin"
+    data = dataset["files"][f"data/{name}"]
+    assert sha256((native.path / name).read_bytes()) == sha256(data)  # every block on disk
+    extra = ("--endpoint-url", s3_server.endpoint_url, *NATIVE, "--block-size", "1M")
+    big_blocks = Mount(
+        f"s3://{dataset['bucket']}/data", tmp_path / "again", native.cache_dir, env_for(s3_server), *extra
+    )
+    with big_blocks:  # 1 MiB blocks: other keys than the 64 KiB ones, fetched once, then on disk
+        assert sha256((big_blocks.path / name).read_bytes()) == sha256(data)
+    with Mount(
+        f"s3://{dataset['bucket']}/data", tmp_path / "third", native.cache_dir, env_for(s3_server), *extra
+    ) as mount:
+        rng = random.Random(11)
+        fd = os.open(mount.path / name, os.O_RDONLY | os.O_DIRECT)
+        try:
+            for _ in range(50):
+                offset = rng.randrange(1, len(data) - 1) // 4096 * 4096 or 4096
+                assert os.pread(fd, 128 << 10, offset) == data[offset : offset + (128 << 10)], offset
+        finally:
+            os.close(fd)
+        report = mount.stats()
+        assert report["cache"]["misses"] == 0 and report["cache"]["disk_hits"] >= 50, report["cache"]
+        # Only the segments the reads touched came from disk, not whole 1 MiB blocks.
+        assert report["cache"]["bytes_from_disk"] < 50 * (128 << 10) * 2, report["cache"]
+        assert report["cache_usage"]["memory_bytes"] < 2 << 20, report["cache_usage"]

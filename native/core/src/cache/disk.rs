@@ -139,25 +139,83 @@ impl DiskTier {
                     .fetch_add(length as u64, Ordering::Relaxed);
                 Some(payload)
             }
-            Err(BlockError::Io(err)) if err.kind() == std::io::ErrorKind::NotFound => None,
-            Err(BlockError::Corrupt(why)) => {
-                self.stats.corrupt.fetch_add(1, Ordering::Relaxed);
-                crate::log::warn(&format!(
-                    "dropped a damaged disk-cache block {} ({why}); fetching it again",
-                    path.display()
-                ));
-                let _ = std::fs::remove_file(&path);
+            Err(err) => {
+                self.failed_read(&path, err);
                 None
             }
-            Err(BlockError::Io(err)) => {
+        }
+    }
+
+    /// Bytes [start, end) of the block of `length` bytes, only the segments they touch read and checked:
+    /// a random read of a block not in memory takes what it needs, not the whole block. None if the
+    /// block is not here (a damaged one is removed and counted, as in `read`).
+    pub fn read_range(
+        &self,
+        key: &str,
+        length: usize,
+        start: usize,
+        end: usize,
+    ) -> Option<Vec<u8>> {
+        let path = self.path(key);
+        let mut buf = vec![0u8; block_file::range_room(start, end)];
+        // SAFETY: `buf` is its own length of writable bytes, used by nothing else during the call.
+        let read = unsafe {
+            block_file::read_block_range_into_raw(
+                &path,
+                start,
+                end,
+                None,
+                false,
+                buf.as_mut_ptr(),
+                buf.len(),
+            )
+        };
+        match read {
+            Ok((_, _, header)) if header.length != length => {
+                self.drop_damaged(
+                    &path,
+                    &format!("{} bytes where {length} were expected", header.length),
+                );
+                None
+            }
+            Ok((offset, count, _)) => {
+                self.stats.hits.fetch_add(1, Ordering::Relaxed);
+                self.stats
+                    .bytes_read
+                    .fetch_add(count as u64, Ordering::Relaxed);
+                buf.truncate(offset + count);
+                buf.drain(..offset);
+                Some(buf)
+            }
+            Err(err) => {
+                self.failed_read(&path, err);
+                None
+            }
+        }
+    }
+
+    /// A read that found no usable block: a damaged file is removed and counted, any other failure said.
+    fn failed_read(&self, path: &Path, err: BlockError) {
+        match err {
+            BlockError::Io(err) if err.kind() == std::io::ErrorKind::NotFound => {}
+            BlockError::Corrupt(why) => self.drop_damaged(path, &why),
+            BlockError::Io(err) => {
                 self.stats.read_errors.fetch_add(1, Ordering::Relaxed);
                 crate::log::warn(&format!(
                     "disk cache read of {} failed ({err}); reading from the backend",
                     path.display()
                 ));
-                None
             }
         }
+    }
+
+    fn drop_damaged(&self, path: &Path, why: &str) {
+        self.stats.corrupt.fetch_add(1, Ordering::Relaxed);
+        crate::log::warn(&format!(
+            "dropped a damaged disk-cache block {} ({why}); fetching it again",
+            path.display()
+        ));
+        let _ = std::fs::remove_file(path);
     }
 
     /// Queues a fetched block for the writer thread, waiting up to ROOM_WAIT for room; false (counted)
@@ -294,12 +352,20 @@ mod tests {
         std::fs::write(&path, &file).unwrap();
         assert_eq!(tier.read("k-1", payload.len()).unwrap(), payload);
         assert!(tier.read("k-2", 10).is_none());
+        for (start, end) in [(0, 1), (40_000, 72_000), (99_999, 100_000), (5, 100_000)] {
+            let range = tier.read_range("k-1", payload.len(), start, end).unwrap();
+            assert_eq!(range, payload[start..end], "{start}..{end}");
+        }
+        // A block of another length than its key says is damaged: dropped.
+        assert!(tier.read_range("k-1", 99, 0, 10).is_none());
+        assert!(!path.exists());
+        std::fs::write(&path, &file).unwrap();
         let last = file.len() - 1;
         file[last] ^= 1;
         std::fs::write(&path, &file).unwrap();
         assert!(tier.read("k-1", payload.len()).is_none());
         assert!(!path.exists(), "a damaged block stays");
-        assert_eq!(tier.stats.corrupt.load(Ordering::Relaxed), 1);
+        assert_eq!(tier.stats.corrupt.load(Ordering::Relaxed), 2);
         let _ = std::fs::remove_dir_all(&dir);
     }
 

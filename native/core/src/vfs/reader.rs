@@ -159,6 +159,12 @@ impl Blocks {
         self.stats
             .bytes_read
             .fetch_add(end - offset, Ordering::Relaxed);
+        if !sequential
+            && offset != 0
+            && let Some(bytes) = self.range_from_disk(&file.node, first, last, offset, end)
+        {
+            return Ok(ReadOut::Joined(bytes)); // a random read: the segments it needs
+        }
         if first == last {
             let block = self.block_for(&file.node, first, end - offset)?;
             let start = (offset - first * bs) as usize;
@@ -172,6 +178,37 @@ impl Blocks {
             joined.extend_from_slice(&block[from as usize..to as usize]);
         }
         Ok(ReadOut::Joined(joined))
+    }
+
+    /// Bytes [offset, end) of blocks `first` to `last` from the disk tier, each read only where the
+    /// range covers it, if the memory tier neither holds nor fetches any of them and the disk tier
+    /// holds them all.
+    fn range_from_disk(
+        &self,
+        node: &Node,
+        first: u64,
+        last: u64,
+        offset: u64,
+        end: u64,
+    ) -> Option<Vec<u8>> {
+        let disk = self.disk.as_ref()?;
+        if (first..=last).any(|index| self.tier.holds(&Self::key(node, index))) {
+            return None;
+        }
+        let bs = self.config.block_size as u64;
+        let mut bytes = Vec::with_capacity((end - offset) as usize);
+        for index in first..=last {
+            let length = bs.min(node.size.saturating_sub(index * bs)) as usize;
+            let start = (offset.max(index * bs) - index * bs) as usize;
+            let stop = (end.min((index + 1) * bs) - index * bs) as usize;
+            let piece = disk.read_range(&self.disk_key(node, index), length, start, stop)?;
+            bytes.extend_from_slice(&piece);
+            self.stats.disk_hits.fetch_add(1, Ordering::Relaxed);
+        }
+        self.stats
+            .bytes_from_disk
+            .fetch_add(bytes.len() as u64, Ordering::Relaxed);
+        Some(bytes)
     }
 
     /// Block `index` for a reader taking `bytes` of it, counted by where it came from.
