@@ -155,3 +155,49 @@ def member_tls(ca: Path, folder: Path, name: str) -> Path:
     )  # fmt: skip
     shutil.copy(ca / "ca.crt", folder / "ca.crt")
     return folder
+
+
+def read_until_the_new_version(path: Path, old: bytes, new: bytes, within_s: float = 10.0) -> None:
+    """Reads `path` whole until it gives `new`: every read gives the old version, the new one or ESTALE
+    (a new open that pinned the old version after it changed), never a mix; fails after `within_s`."""
+    import errno
+
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            seen: bytes | None = path.read_bytes()
+        except OSError as exc:
+            assert exc.errno == errno.ESTALE
+            seen = None
+        assert seen in (old, new, None)
+        if seen == new:
+            return
+        assert time.monotonic() < deadline, "the new version never showed"
+        time.sleep(0.2)
+
+
+def sha256_file(path: str) -> str:
+    """(For a spawned worker: a module-level function.)"""
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def check_readers_in_threads_and_processes(root: Path, files: dict[str, bytes], prefix: str) -> None:
+    """Every file under `prefix`+"size-" read whole by 8 threads at once, 4 times each in a shuffled order,
+    then the largest by 3 spawned processes: every read byte-exact."""
+    import multiprocessing
+    import random
+    from concurrent.futures import ThreadPoolExecutor
+
+    keys = [k for k in files if k.startswith(f"{prefix}size-")] * 4
+    random.Random(3).shuffle(keys)
+
+    def read(key: str) -> tuple[str, str]:
+        return key, sha256((root / key.removeprefix(prefix)).read_bytes())
+
+    with ThreadPoolExecutor(8) as pool:
+        for key, digest in pool.map(read, keys):
+            assert digest == sha256(files[key]), key
+    largest = max(keys, key=lambda k: len(files[k]))
+    with multiprocessing.get_context("spawn").Pool(3) as procs:
+        digests = procs.map(sha256_file, [str(root / largest.removeprefix(prefix))] * 6)
+    assert set(digests) == {sha256(files[largest])}

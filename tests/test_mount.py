@@ -4,9 +4,7 @@ byte (sha256) against what is stored in S3."""
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
-import multiprocessing
 import os
 import random
 import shutil
@@ -21,7 +19,7 @@ from typing import Any
 
 import pytest
 import s3fs
-from helpers import pattern, sha256
+from helpers import check_readers_in_threads_and_processes, pattern, read_until_the_new_version, sha256
 from mounts import Mount, drop_page_cache, mounted, pffs
 
 from pffs.testing.s3_server import SeaweedS3, free_ports
@@ -120,23 +118,7 @@ def test_listing_sizes_and_stat_come_from_one_list(ro_mount: Mount, dataset: dic
 
 
 def test_concurrent_readers_in_threads_and_processes(ro_mount: Mount, dataset: dict[str, Any]) -> None:
-    keys = [k for k in dataset["files"] if k.startswith("data/size-")] * 4
-    random.Random(3).shuffle(keys)
-
-    def read(key: str) -> tuple[str, str]:
-        return key, sha256((ro_mount.path / key.removeprefix("data/")).read_bytes())
-
-    with ThreadPoolExecutor(8) as pool:
-        for key, digest in pool.map(read, keys):
-            assert digest == sha256(dataset["files"][key]), key
-    big = str(ro_mount.path / f"size-{(3 << 20) + 5}.bin")
-    with multiprocessing.get_context("spawn").Pool(3) as procs:
-        digests = procs.map(_sha256_file, [big] * 6)
-    assert set(digests) == {sha256(dataset["files"][f"data/size-{(3 << 20) + 5}.bin"])}
-
-
-def _sha256_file(path: str) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    check_readers_in_threads_and_processes(ro_mount.path, dataset["files"], "data/")
 
 
 def test_kernel_page_cache_kept_for_unchanged_objects(ro_mount: Mount, dataset: dict[str, Any]) -> None:
@@ -413,18 +395,7 @@ def test_overwritten_object_is_never_mixed_and_new_after_ttl(
         assert head == old[:BLOCK]
         # A new open within the TTL may still pin the old version: it then reads old bytes or ESTALE (and
         # drops what it knew, so the next open sees the new one); after the TTL, the new bytes.
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                seen = (mount.path / "f.bin").read_bytes()
-            except OSError as exc:
-                assert exc.errno == errno.ESTALE
-                seen = None
-            assert seen in (old, new, None)
-            if seen == new:
-                break
-            assert time.monotonic() < deadline, "the new version never showed"
-            time.sleep(0.2)
+        read_until_the_new_version(mount.path / "f.bin", old, new)
 
 
 def test_backend_outage_and_recovery(raw_s3: s3fs.S3FileSystem, tmp_path: Path) -> None:

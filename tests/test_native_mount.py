@@ -4,9 +4,7 @@ request), against a real SeaweedFS and a real FUSE mount. Byte-exact against the
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
-import multiprocessing
 import os
 import random
 import stat
@@ -14,13 +12,12 @@ import subprocess
 import time
 import uuid
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pytest
 import s3fs
-from helpers import pattern, sha256
+from helpers import check_readers_in_threads_and_processes, pattern, read_until_the_new_version, sha256
 from mounts import Mount, drop_page_cache, mounted, pffs
 
 from pffs.testing.s3_server import SeaweedS3
@@ -47,11 +44,17 @@ def raw_for(server: SeaweedS3) -> s3fs.S3FileSystem:
     return s3fs.S3FileSystem(skip_instance_cache=True, use_listings_cache=False, **server.storage_options())
 
 
-@pytest.fixture(scope="module")
-def dataset(s3_server: SeaweedS3) -> dict[str, Any]:
-    raw = raw_for(s3_server)
+def fresh_bucket(server: SeaweedS3) -> tuple[s3fs.S3FileSystem, str]:
+    """A new, empty bucket on `server`, and plain s3fs to put test data in it (not through pffs)."""
+    raw = raw_for(server)
     bucket = f"native-{uuid.uuid4().hex[:12]}"
     raw.mkdir(bucket)
+    return raw, bucket
+
+
+@pytest.fixture(scope="module")
+def dataset(s3_server: SeaweedS3) -> dict[str, Any]:
+    raw, bucket = fresh_bucket(s3_server)
     files = {f"data/size-{size}.bin": pattern(size, seed=size) for size in SIZES}
     files.update({f"data/small/{i:04d}.txt": pattern(1000 + i, seed=i) for i in range(64)})
     files["data/deep/er/still/x.bin"] = pattern(BLOCK * 2 + 9, seed=77)
@@ -112,20 +115,8 @@ def test_ranged_reads_at_block_boundaries_and_past_the_end(native: Mount, datase
 def test_readers_in_threads_and_processes_are_served_by_several_native_threads(
     native: Mount, dataset: dict[str, Any]
 ) -> None:
-    keys = [k for k in dataset["files"] if k.startswith("data/size-")] * 4
-    random.Random(3).shuffle(keys)
     drop_page_cache()
-
-    def read(key: str) -> tuple[str, str]:
-        return key, sha256((native.path / key.removeprefix("data/")).read_bytes())
-
-    with ThreadPoolExecutor(8) as pool:
-        for key, digest in pool.map(read, keys):
-            assert digest == sha256(dataset["files"][key]), key
-    big = str(native.path / f"size-{(3 << 20) + 5}.bin")
-    with multiprocessing.get_context("spawn").Pool(3) as procs:
-        digests = procs.map(_sha256_file, [big] * 6)
-    assert set(digests) == {sha256(dataset["files"][f"data/size-{(3 << 20) + 5}.bin"])}
+    check_readers_in_threads_and_processes(native.path, dataset["files"], "data/")
     assert native.pid is not None
     # The FUSE connection is read by the 8 threads asked for (fuser names them), not one Python loop.
     names = [
@@ -133,10 +124,6 @@ def test_readers_in_threads_and_processes_are_served_by_several_native_threads(
         for t in os.listdir(f"/proc/{native.pid}/task")
     ]
     assert sum(1 for n in names if n.startswith("fuser")) >= 8, names
-
-
-def _sha256_file(path: str) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 def test_read_only_everywhere_and_the_documented_errnos(native: Mount) -> None:
@@ -177,9 +164,7 @@ def test_pffs_stats_reads_the_native_report(native: Mount, s3_server: SeaweedS3)
 def test_a_changed_object_is_never_mixed_and_shows_after_the_ttl(
     s3_server: SeaweedS3, tmp_path: Path
 ) -> None:
-    raw = raw_for(s3_server)
-    bucket = f"native-{uuid.uuid4().hex[:12]}"
-    raw.mkdir(bucket)
+    raw, bucket = fresh_bucket(s3_server)
     old, new = pattern(6 * BLOCK, seed=1), pattern(6 * BLOCK, seed=2)
     raw.pipe(f"{bucket}/f.bin", old)
     extra = ("--endpoint-url", s3_server.endpoint_url, *NATIVE, "--dir-ttl", "1", "--attr-ttl", "0.5")
@@ -196,24 +181,11 @@ def test_a_changed_object_is_never_mixed_and_shows_after_the_ttl(
             else:
                 assert head + rest == old  # the version pinned at open, never a mix
         assert head == old[:BLOCK]
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                seen = (mount.path / "f.bin").read_bytes()
-            except OSError as exc:
-                assert exc.errno == errno.ESTALE
-                seen = None
-            assert seen in (old, new, None)
-            if seen == new:
-                break
-            assert time.monotonic() < deadline, "the new version never showed"
-            time.sleep(0.2)
+        read_until_the_new_version(mount.path / "f.bin", old, new)
 
 
 def test_memory_stays_within_its_bound_and_bytes_stay_exact(s3_server: SeaweedS3, tmp_path: Path) -> None:
-    raw = raw_for(s3_server)
-    bucket = f"native-{uuid.uuid4().hex[:12]}"
-    raw.mkdir(bucket)
+    raw, bucket = fresh_bucket(s3_server)
     data = pattern(48 * BLOCK + 5, seed=5)
     raw.pipe(f"{bucket}/big.bin", data)
     extra = ("--endpoint-url", s3_server.endpoint_url, *NATIVE, "--memory-cache-size", "256K")
@@ -298,9 +270,7 @@ def _alive(pid: int) -> bool:
 def test_the_disk_tier_is_the_nodes_one_shared_with_the_python_engine(
     s3_server: SeaweedS3, tmp_path: Path
 ) -> None:
-    raw = raw_for(s3_server)
-    bucket = f"native-{uuid.uuid4().hex[:12]}"
-    raw.mkdir(bucket)
+    raw, bucket = fresh_bucket(s3_server)
     files = {f"d/{i}.bin": pattern(BLOCK * (i % 4) + 1000 * i + 1, seed=i) for i in range(12)}
     raw.pipe({f"{bucket}/{k}": v for k, v in files.items()})
     cache = tmp_path / "cache"
