@@ -321,8 +321,8 @@ def umount(args: argparse.Namespace) -> int:
 
 def detach_lazily(path: Path, pid: int, used_by: str) -> int:
     """Has the mount detach itself (umount -l) and serve the processes that use it until they let go."""
+    from pffs.fuse.ending import DETACH_SIGNAL
     from pffs.fuse.mountpoint import force_unmount, in_mount_table
-    from pffs.fuse.options import DETACH_SIGNAL
     from pffs.processes import catches
 
     if catches(pid, DETACH_SIGNAL):

@@ -15,6 +15,10 @@ import signal
 from dataclasses import dataclass
 from pathlib import Path
 
+# `pffs umount --lazy` of a mount some process still uses: this signal to the serving process has it detach
+# itself from the folder tree (as umount -l) and serve those processes until they let go (pffs.fuse.mount).
+DETACH_SIGNAL = signal.SIGUSR2
+
 # 1 and 2 are every pffs command's (pffs.cli.errors): the mount never served.
 EXIT_UNMOUNTED = 0
 EXIT_FAILURE = 1
@@ -194,3 +198,38 @@ def _kernel_log_says_oom_killed(pid: int, max_records: int = 100_000) -> bool:
         return False
     finally:
         os.close(fd)
+
+
+def how_serving_ended(
+    signalled: str | None, still_listed: bool, mountpoint: Path, detached: bool = False
+) -> Ending:
+    """pyfuse3.main returned: on our pyfuse3.terminate() (a signal), or when the kernel ended the session
+    (libfuse takes ENODEV from /dev/fuse as the end): unmounted from outside, or after the mount detached
+    itself on request (`pffs umount --lazy`) and the last process using it let go, or the connection
+    aborted (the mount stays listed, dead)."""
+    if signalled:
+        return Ending(EXIT_UNMOUNTED, f"{signalled}: unmounted on request")
+    if detached and not still_listed:
+        return Ending(
+            EXIT_UNMOUNTED,
+            f"{DETACH_SIGNAL.name} (pffs umount --lazy): detached on request, and the last process using "
+            "it let go",
+        )
+    if still_listed:
+        return Ending(
+            EXIT_CONNECTION_ABORTED,
+            "the kernel's FUSE connection was aborted (/sys/fs/fuse/connections/N/abort, or the kernel "
+            f"gave up on it); {DEAD_MOUNT_ADVICE.format(mountpoint=mountpoint)}",
+        )
+    return Ending(EXIT_UNMOUNTED_OUTSIDE, "unmounted from outside (umount or fusermount3 -u)")
+
+
+def serving_failed(exc: BaseException, mountpoint: Path) -> Ending:
+    """An exception out of the serving loop: a bug. The mount is left dead in place."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:  # a trio nursery's
+        exc = exc.exceptions[0]
+    return Ending(
+        EXIT_INTERNAL_ERROR,
+        f"internal error: {type(exc).__name__}: {exc} (the traceback is above); "
+        f"{DEAD_MOUNT_ADVICE.format(mountpoint=mountpoint)}",
+    )

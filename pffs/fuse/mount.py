@@ -33,18 +33,18 @@ from pffs.backends.urls import open_backend
 from pffs.cache.single_flight import share_failures as share_block_failures
 from pffs.fuse import mount_record
 from pffs.fuse.ending import (
-    DEAD_MOUNT_ADVICE,
-    EXIT_CONNECTION_ABORTED,
-    EXIT_INTERNAL_ERROR,
+    DETACH_SIGNAL,
     EXIT_UNMOUNTED,
     EXIT_UNMOUNTED_OUTSIDE,
     EXIT_UPLOADS_FAILED,
     Ending,
+    how_serving_ended,
+    serving_failed,
 )
 from pffs.fuse.metrics import start_metrics_server
-from pffs.fuse.mountpoint import force_unmount, in_mount_table
+from pffs.fuse.mountpoint import force_unmount, in_mount_table, raise_read_ahead
 from pffs.fuse.operations import Operations
-from pffs.fuse.options import DETACH_SIGNAL, MountOptions
+from pffs.fuse.options import MountOptions
 from pffs.processes import public_url
 from pffs.vfs import Vfs
 from pffs.vfs.namespace import Namespace, directory_info, keys_under
@@ -53,12 +53,6 @@ from pffs.vfs.staging import Staging
 log = logging.getLogger(__name__)
 
 CACHE_DIR_CHECK_S = 2.0  # how often the mount checks that its cache directory is still there
-
-# The kernel's read-ahead of the mount, raised after INIT (see _tune_kernel_after_init). 4 MiB, not 1 MiB:
-# the kernel takes a read longer than its read-ahead (an unaligned random 1 MiB read is 257 pages) for the
-# start of a stream and reads 2-3 MiB ahead of it (issue 34: random 1 MiB reads fetched 4.8x their bytes);
-# reads up to 4 MiB are read as they are. Requests stay at most 1 MiB (FUSE's max_pages), several in flight.
-READ_AHEAD_KB = 4096
 
 
 def serve(
@@ -277,41 +271,6 @@ def _serve_natively(
     return serve_native(options, backend, root, [], ready, record, supervisor)
 
 
-def how_serving_ended(
-    signalled: str | None, still_listed: bool, mountpoint: Path, detached: bool = False
-) -> Ending:
-    """pyfuse3.main returned: on our pyfuse3.terminate() (a signal), or when the kernel ended the session
-    (libfuse takes ENODEV from /dev/fuse as the end): unmounted from outside, or after the mount detached
-    itself on request (`pffs umount --lazy`) and the last process using it let go, or the connection
-    aborted (the mount stays listed, dead)."""
-    if signalled:
-        return Ending(EXIT_UNMOUNTED, f"{signalled}: unmounted on request")
-    if detached and not still_listed:
-        return Ending(
-            EXIT_UNMOUNTED,
-            f"{DETACH_SIGNAL.name} (pffs umount --lazy): detached on request, and the last process using "
-            "it let go",
-        )
-    if still_listed:
-        return Ending(
-            EXIT_CONNECTION_ABORTED,
-            "the kernel's FUSE connection was aborted (/sys/fs/fuse/connections/N/abort, or the kernel "
-            f"gave up on it); {DEAD_MOUNT_ADVICE.format(mountpoint=mountpoint)}",
-        )
-    return Ending(EXIT_UNMOUNTED_OUTSIDE, "unmounted from outside (umount or fusermount3 -u)")
-
-
-def serving_failed(exc: BaseException, mountpoint: Path) -> Ending:
-    """An exception out of the serving loop: a bug. The mount is left dead in place."""
-    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:  # a trio nursery's
-        exc = exc.exceptions[0]
-    return Ending(
-        EXIT_INTERNAL_ERROR,
-        f"internal error: {type(exc).__name__}: {exc} (the traceback is above); "
-        f"{DEAD_MOUNT_ADVICE.format(mountpoint=mountpoint)}",
-    )
-
-
 async def _serve_until_unmounted(
     mountpoint: Path, watch: CacheDirectoryWatch | None = None
 ) -> tuple[str | None, bool]:
@@ -476,12 +435,6 @@ def fuse_options(options: MountOptions, posix: bool = False) -> set[str]:
 
 async def _tune_kernel_after_init(mountpoint: Path) -> None:
     """Raises the mount's read-ahead once the kernel has its INIT answer (which would lower a value set
-    earlier to the 128 KiB the kernel proposed at mount time). The default keeps one 128 KiB request in
-    flight; READ_AHEAD_KB makes the kernel send 1 MiB read requests (8 times fewer handler calls per byte),
-    several at once, and read random reads of up to 4 MiB as they are."""
-    try:
-        device = (await trio.to_thread.run_sync(os.stat, mountpoint)).st_dev  # answered by this loop
-        bdi = Path(f"/sys/class/bdi/{os.major(device)}:{os.minor(device)}/read_ahead_kb")
-        await trio.to_thread.run_sync(bdi.write_text, str(READ_AHEAD_KB))
-    except OSError as exc:
-        log.info("could not raise the read-ahead of %s (%s): sequential reads are slower", mountpoint, exc)
+    earlier to the 128 KiB the kernel proposed at mount time): pffs.fuse.mountpoint.raise_read_ahead, in a
+    thread (its stat of the mountpoint is answered by this loop)."""
+    await trio.to_thread.run_sync(raise_read_ahead, mountpoint)

@@ -3,10 +3,13 @@ the CLI and the CSI plugin use it without loading the FUSE stack."""
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import subprocess
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 DEAD_MOUNT_ERRNOS = (107, 103, 5)  # ENOTCONN, ECONNABORTED (just aborted), or EIO from some dead mounts
 
@@ -72,3 +75,23 @@ def force_unmount(path: Path) -> None:
                 return
         except (OSError, subprocess.TimeoutExpired):
             continue
+
+
+# The kernel's read-ahead of a mount, raised after INIT (raise_read_ahead). 4 MiB, not 1 MiB: the kernel
+# takes a read longer than its read-ahead (an unaligned random 1 MiB read is 257 pages) for the start of a
+# stream and reads 2-3 MiB ahead of it (issue 34: random 1 MiB reads fetched 4.8x their bytes); reads up to
+# 4 MiB are read as they are. Requests stay at most 1 MiB (FUSE's max_pages), several in flight.
+READ_AHEAD_KB = 4096
+
+
+def raise_read_ahead(mountpoint: Path) -> None:
+    """Raises the mount's read-ahead to READ_AHEAD_KB, once the kernel has the mount's INIT answer. The
+    default keeps one 128 KiB request in flight; this makes the kernel send 1 MiB read requests (8 times
+    fewer handler calls per byte), several at once, and read random reads of up to 4 MiB as they are. The
+    stat of the mountpoint needs the mount's server answering: call it from outside its serving loop."""
+    try:
+        device = os.stat(mountpoint).st_dev
+        bdi = Path(f"/sys/class/bdi/{os.major(device)}:{os.minor(device)}/read_ahead_kb")
+        bdi.write_text(str(READ_AHEAD_KB))
+    except OSError as exc:
+        log.info("could not raise the read-ahead of %s (%s): sequential reads are slower", mountpoint, exc)

@@ -28,10 +28,10 @@ from pffs.backends.backend import Backend, S3Backend
 from pffs.backends.s3_native import CREDENTIALS_REFRESH_S, Credentials
 from pffs.cache.disk_tier import WRITE_BEHIND_BYTES, DiskTier
 from pffs.fuse import mount_record
-from pffs.fuse.ending import Ending
+from pffs.fuse.ending import DETACH_SIGNAL, Ending, how_serving_ended
 from pffs.fuse.metrics import start_metrics_server
-from pffs.fuse.mountpoint import force_unmount, in_mount_table
-from pffs.fuse.options import DETACH_SIGNAL, MountOptions
+from pffs.fuse.mountpoint import force_unmount, in_mount_table, raise_read_ahead
+from pffs.fuse.options import MountOptions
 from pffs.processes import public_url
 from pffs.vfs.vfs import shared_block_cache
 
@@ -39,7 +39,6 @@ log = logging.getLogger(__name__)
 
 POLL_S = 0.2  # how often the wait for the mount's end lets Python's signal handlers run
 UPKEEP_EVERY_S = 2.0  # how often the engine's report learns the disk tier's usage
-READ_AHEAD_KB = 4096  # as the Python engine's (pffs.fuse.mount.READ_AHEAD_KB)
 
 
 class EngineUnsupportedError(ValueError):
@@ -72,8 +71,6 @@ def serve_native(
 ) -> Ending:
     """Mounts `root` (bucket/prefix) at the mountpoint with the native engine and serves until unmounted or
     signalled; how it ended."""
-    from pffs.fuse.mount import how_serving_ended
-
     getter = backend.native_getter() if isinstance(backend, S3Backend) else None
     assert getter is not None  # check_supported
     bucket, _, prefix = root.partition("/")
@@ -118,7 +115,7 @@ def serve_native(
         (str(cache.cache_dir), WRITE_BEHIND_BYTES) if disk is not None else None,
     )
     upkeep = Upkeep(mount, disk, lambda: getter.bucket_target(bucket)[1])
-    _raise_read_ahead(options.mountpoint)
+    raise_read_ahead(options.mountpoint)
     if options.metrics_port:
         start_metrics_server(lambda: _report(mount), options.metrics_address, options.metrics_port)
     log.info(
@@ -247,17 +244,6 @@ class Upkeep:
         self.thread.join()
         if self.disk is not None:
             self.disk.close()
-
-
-def _raise_read_ahead(mountpoint: Path) -> None:
-    """The kernel's read-ahead of the mount, raised as the Python engine raises it (1 MiB requests,
-    several in flight)."""
-    try:
-        device = os.stat(mountpoint).st_dev  # answered by the engine's threads
-        bdi = Path(f"/sys/class/bdi/{os.major(device)}:{os.minor(device)}/read_ahead_kb")
-        bdi.write_text(str(READ_AHEAD_KB))
-    except OSError as exc:
-        log.info("could not raise the read-ahead of %s (%s): sequential reads are slower", mountpoint, exc)
 
 
 def _report(mount: Any) -> dict[str, Any]:

@@ -4,7 +4,6 @@ process it starts, so they hold no secret (credentials come from the environment
 from __future__ import annotations
 
 import re
-import signal
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -13,10 +12,6 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_valida
 from pffs.backends.options import BackendOptions
 from pffs.config import CacheSettings
 from pffs.peers.settings import PeerSettings
-
-# `pffs umount --lazy` of a mount some process still uses: this signal to the serving process has it detach
-# itself from the folder tree (as umount -l) and serve those processes until they let go (pffs.fuse.mount).
-DETACH_SIGNAL = signal.SIGUSR2
 
 
 def _octal(value: Any) -> int:

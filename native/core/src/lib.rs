@@ -6,6 +6,7 @@ pub mod backends;
 pub mod cache;
 pub mod fuse;
 pub mod log;
+pub mod sync;
 pub mod vfs;
 
 /// A digest of native/'s sources, which setup.py sets: cargo rebuilds a crate when a variable it reads at

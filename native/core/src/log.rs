@@ -7,6 +7,8 @@ use std::io::Write;
 use std::sync::Mutex;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use crate::sync::lock;
+
 const SAME_LINE_EVERY: Duration = Duration::from_secs(1);
 
 static LAST: Mutex<Option<HashMap<String, Instant>>> = Mutex::new(None);
@@ -25,7 +27,7 @@ fn line(level: &str, what: &str) {
     // said once a second at most.
     let kind = what.split('"').next().unwrap_or(what).to_string();
     {
-        let mut last = LAST.lock().unwrap_or_else(|e| e.into_inner());
+        let mut last = lock(&LAST);
         let seen = last.get_or_insert_with(HashMap::new);
         if seen
             .get(&kind)

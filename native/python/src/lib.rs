@@ -43,6 +43,7 @@ mod _core {
     use pffs_core::backends::bucket::{Bucket, BucketConfig};
     use pffs_core::cache::disk::DiskTier;
     use pffs_core::fuse;
+    use pffs_core::sync::lock;
     use pffs_core::vfs::namespace::{Namespace, NamespaceConfig};
     use pffs_core::vfs::reader::{Blocks, DiskUsage, ReaderConfig};
 
@@ -561,12 +562,7 @@ mod _core {
         /// whether it has.
         fn wait(&self, py: Python<'_>, timeout: f64) -> bool {
             let until = Instant::now() + seconds(timeout);
-            let ended = || {
-                self.mounted
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .ended()
-            };
+            let ended = || lock(&self.mounted).ended();
             py.detach(|| {
                 while !ended() && Instant::now() < until {
                     std::thread::sleep(Duration::from_millis(20));
@@ -577,12 +573,7 @@ mod _core {
 
         /// Unmounts (if still mounted) and waits for the serving threads.
         fn unmount(&self, py: Python<'_>) -> PyResult<()> {
-            py.detach(|| {
-                self.mounted
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .unmount()
-            })?;
+            py.detach(|| lock(&self.mounted).unmount())?;
             Ok(())
         }
 

@@ -12,6 +12,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use super::s3_get::{self, Credentials, Endpoint, Get, GetError, Signer, Timeouts};
 use super::s3_list::{self, Head, List, ListPage, ObjectInfo};
+use crate::sync::{read, write};
 
 const BASE_DELAY: Duration = Duration::from_millis(100);
 const THROTTLED_DELAY: Duration = Duration::from_millis(500);
@@ -65,14 +66,11 @@ impl Bucket {
 
     /// From now on, calls are signed with `credentials` (None: unsigned).
     pub fn set_credentials(&self, credentials: Option<OwnedCredentials>) {
-        *self.credentials.write().unwrap_or_else(|e| e.into_inner()) = credentials.map(Arc::new);
+        *write(&self.credentials) = credentials.map(Arc::new);
     }
 
     fn current_credentials(&self) -> Option<Arc<OwnedCredentials>> {
-        self.credentials
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
+        read(&self.credentials).clone()
     }
 
     fn endpoint(&self) -> Endpoint<'_> {

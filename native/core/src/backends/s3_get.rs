@@ -21,6 +21,8 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use hmac::{Hmac, Mac};
 use sha2::{Digest, Sha256};
 
+use crate::sync::lock;
+
 const EMPTY_SHA256: &str = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855";
 const MAX_HEADER_BYTES: usize = 64 << 10;
 /// An error answer longer than this is not S3's (its XML is a few hundred bytes).
@@ -159,7 +161,7 @@ impl Signer {
     }
 
     fn signing_key(&self, secret: &str, day: &str) -> [u8; 32] {
-        let mut cached = self.key.lock().unwrap_or_else(|e| e.into_inner());
+        let mut cached = lock(&self.key);
         if let Some((s, d, key)) = cached.as_ref()
             && s == secret
             && d == day

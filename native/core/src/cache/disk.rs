@@ -23,6 +23,7 @@ use blake2::digest::consts::U16;
 
 use super::block_file::{self, BlockError};
 use super::memory::Block;
+use crate::sync::lock;
 
 #[derive(Default)]
 pub struct DiskStats {
@@ -221,7 +222,7 @@ impl DiskTier {
     /// Queues a fetched block for the writer thread, waiting up to ROOM_WAIT for room; false (counted)
     /// if there was none, or the tier is closed.
     pub fn queue_write(&self, key: String, block: Block) -> bool {
-        let queue = self.queue.lock().unwrap_or_else(|e| e.into_inner());
+        let queue = lock(&self.queue);
         let (mut queue, _) = self
             .changed
             .wait_timeout_while(queue, ROOM_WAIT, |q| {
@@ -244,7 +245,7 @@ impl DiskTier {
     fn write_queued(&self) {
         loop {
             let next = {
-                let queue = self.queue.lock().unwrap_or_else(|e| e.into_inner());
+                let queue = lock(&self.queue);
                 let mut queue = self
                     .changed
                     .wait_while(queue, |q| q.blocks.is_empty() && !q.closed)
@@ -256,17 +257,17 @@ impl DiskTier {
             };
             let written = self.write_temporary(&key, &block);
             {
-                let mut queue = self.queue.lock().unwrap_or_else(|e| e.into_inner());
+                let mut queue = lock(&self.queue);
                 queue.bytes -= block.len();
                 self.changed.notify_all();
             }
             if let Some(temporary) = written {
-                let mut written = self.written.lock().unwrap_or_else(|e| e.into_inner());
+                let mut written = lock(&self.written);
                 written.files.push((key, temporary, block.len()));
                 self.published.notify_all();
             }
         }
-        let mut written = self.written.lock().unwrap_or_else(|e| e.into_inner());
+        let mut written = lock(&self.written);
         written.done = true;
         self.published.notify_all();
     }
@@ -306,7 +307,7 @@ impl DiskTier {
     /// the index's owner to publish (pffs's Python DiskTier.adopt): waits up to `wait` for one. Empty
     /// once closed and everything was taken.
     pub fn take_written(&self, wait: Duration) -> Vec<(String, PathBuf, usize)> {
-        let written = self.written.lock().unwrap_or_else(|e| e.into_inner());
+        let written = lock(&self.written);
         let (mut written, _) = self
             .published
             .wait_timeout_while(written, wait, |w| w.files.is_empty() && !w.done)
@@ -316,7 +317,7 @@ impl DiskTier {
 
     /// No more blocks are queued; the writer writes what is queued, then take_written says it is done.
     pub fn close(&self) {
-        let mut queue = self.queue.lock().unwrap_or_else(|e| e.into_inner());
+        let mut queue = lock(&self.queue);
         queue.closed = true;
         self.changed.notify_all();
     }

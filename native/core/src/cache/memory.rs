@@ -9,6 +9,8 @@
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Condvar, Mutex};
 
+use crate::sync::lock;
+
 /// One block of one version of one object.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct BlockKey {
@@ -264,12 +266,6 @@ impl Drop for FlightEnding<'_> {
         *lock(&self.flight.result) = Some(result);
         self.flight.done.notify_all();
     }
-}
-
-/// A poisoned lock (a panic while it was held) still guards consistent data here: every update is
-/// finished before anything that could panic.
-fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    mutex.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 #[cfg(test)]

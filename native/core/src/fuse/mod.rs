@@ -22,6 +22,7 @@ use fuser::{
 };
 
 use crate::cache::disk::DiskStats;
+use crate::sync::lock;
 use crate::vfs::namespace::{Kind, Node, ROOT};
 use crate::vfs::reader::{Blocks, OpenFile};
 
@@ -99,10 +100,6 @@ impl PffsFs {
     fn handle(&self) -> u64 {
         self.next_handle.fetch_add(1, Ordering::Relaxed)
     }
-}
-
-fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    mutex.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 fn errno(code: i32) -> Errno {
@@ -351,108 +348,75 @@ pub fn report_json(blocks: &Blocks, config: &ServeConfig) -> String {
     let disk = blocks.disk.as_ref().map(|disk| &disk.stats);
     let disk_load = |pick: fn(&DiskStats) -> &AtomicU64| disk.map_or(0, |d| load(pick(d)));
     let usage = blocks.disk_usage();
-    let fields: [(&str, String); 27] = [
-        ("memory_hits", memory.hits.to_string()),
-        ("disk_hits", load(&reader.disk_hits).to_string()),
-        ("misses", load(&reader.misses).to_string()),
+    let cache = json_object(&[
+        ("memory_hits", memory.hits),
+        ("disk_hits", load(&reader.disk_hits)),
+        ("misses", load(&reader.misses)),
         (
             "prefetches",
-            (load(&reader.prefetches) + load(&reader.disk_ahead)).to_string(),
+            load(&reader.prefetches) + load(&reader.disk_ahead),
         ),
-        ("prefetch_hits", memory.prefetch_hits.to_string()),
-        (
-            "bytes_from_memory",
-            load(&reader.bytes_from_memory).to_string(),
-        ),
-        ("bytes_from_disk", load(&reader.bytes_from_disk).to_string()),
-        ("bytes_fetched", load(&reader.fetched_bytes).to_string()),
-        ("memory_evictions", memory.evictions.to_string()),
-        ("disk_evictions", usage.evictions.to_string()),
-        ("corrupt_blocks", disk_load(|d| &d.corrupt).to_string()),
+        ("prefetch_hits", memory.prefetch_hits),
+        ("bytes_from_memory", load(&reader.bytes_from_memory)),
+        ("bytes_from_disk", load(&reader.bytes_from_disk)),
+        ("bytes_fetched", load(&reader.fetched_bytes)),
+        ("memory_evictions", memory.evictions),
+        ("disk_evictions", usage.evictions),
+        ("corrupt_blocks", disk_load(|d| &d.corrupt)),
         (
             "disk_write_failures",
-            (disk_load(|d| &d.dropped) + disk_load(|d| &d.write_errors)).to_string(),
+            disk_load(|d| &d.dropped) + disk_load(|d| &d.write_errors),
         ),
-        ("disk_writes_queued", disk_load(|d| &d.queued).to_string()),
-        (
-            "stale_metadata_served",
-            load(&names.stale_served).to_string(),
-        ),
-        ("memory_bytes", memory.bytes.to_string()),
-        ("memory_capacity_bytes", blocks.tier.capacity().to_string()),
-        ("disk_bytes", usage.bytes.to_string()),
-        ("disk_capacity_bytes", usage.capacity.to_string()),
-        ("disk_bound_bytes", usage.bound.to_string()),
-        ("get_requests", load(&reader.fetches).to_string()),
-        ("get_errors", load(&reader.fetch_errors).to_string()),
-        ("list_requests", load(&names.lists).to_string()),
-        ("list_errors", load(&names.backend_errors).to_string()),
-        ("reads", load(&reader.reads).to_string()),
-        ("bytes_read", load(&reader.bytes_read).to_string()),
-        ("shared_waits", memory.shared_waits.to_string()),
-        ("open_files", load(&reader.open_files).to_string()),
-    ];
-    let field = |name: &str| {
-        fields
-            .iter()
-            .find(|(n, _)| *n == name)
-            .map_or("0", |(_, v)| v.as_str())
-            .to_string()
-    };
-    let object = |names: &[&str]| {
-        let inner: Vec<String> = names
-            .iter()
-            .map(|name| format!("\"{name}\": {}", field(name)))
-            .collect();
-        format!("{{{}}}", inner.join(", "))
-    };
-    let cache = object(&[
-        "memory_hits",
-        "disk_hits",
-        "misses",
-        "prefetches",
-        "prefetch_hits",
-        "bytes_from_memory",
-        "bytes_from_disk",
-        "bytes_fetched",
-        "memory_evictions",
-        "disk_evictions",
-        "corrupt_blocks",
-        "disk_write_failures",
-        "disk_writes_queued",
-        "stale_metadata_served",
+        ("disk_writes_queued", disk_load(|d| &d.queued)),
+        ("stale_metadata_served", load(&names.stale_served)),
     ]);
-    let usage = object(&[
-        "memory_bytes",
-        "memory_capacity_bytes",
-        "disk_bytes",
-        "disk_capacity_bytes",
-        "disk_bound_bytes",
+    let cache_usage = json_object(&[
+        ("memory_bytes", memory.bytes),
+        ("memory_capacity_bytes", blocks.tier.capacity() as u64),
+        ("disk_bytes", usage.bytes),
+        ("disk_capacity_bytes", usage.capacity),
+        ("disk_bound_bytes", usage.bound),
+    ]);
+    let get = json_object(&[
+        ("requests", load(&reader.fetches)),
+        ("errors", load(&reader.fetch_errors)),
+    ]);
+    let list = json_object(&[
+        ("requests", load(&names.lists)),
+        ("errors", load(&names.backend_errors)),
+    ]);
+    let totals = json_fields(&[
+        ("reads", load(&reader.reads)),
+        ("bytes_read", load(&reader.bytes_read)),
+        ("shared_waits", memory.shared_waits),
+        ("uploads_pending", 0),
+        ("uploads_done", 0),
+        ("upload_failures", 0),
+        ("open_files", load(&reader.open_files)),
+        ("pid", u64::from(std::process::id())),
+        ("threads", config.threads as u64),
     ]);
     format!(
-        concat!(
-            "{{\"engine\": \"native\", \"source\": {}, \"mountpoint\": {}, \"pid\": {}, ",
-            "\"threads\": {}, \"cache\": {}, \"cache_usage\": {}, \"backend_requests\": ",
-            "{{\"get\": {{\"requests\": {}, \"errors\": {}}}, \"list\": {{\"requests\": {}, ",
-            "\"errors\": {}}}}}, \"reads\": {}, \"bytes_read\": {}, \"shared_waits\": {}, ",
-            "\"uploads_pending\": 0, \"uploads_done\": 0, \"upload_failures\": 0, ",
-            "\"open_files\": {}}}"
-        ),
+        "{{\"engine\": \"native\", \"source\": {}, \"mountpoint\": {}, \"cache\": {cache}, \
+         \"cache_usage\": {cache_usage}, \"backend_requests\": {{\"get\": {get}, \"list\": {list}}}, {}}}",
         json_string(&config.source),
         json_string(&config.mountpoint),
-        std::process::id(),
-        config.threads,
-        cache,
-        usage,
-        field("get_requests"),
-        field("get_errors"),
-        field("list_requests"),
-        field("list_errors"),
-        field("reads"),
-        field("bytes_read"),
-        field("shared_waits"),
-        field("open_files"),
+        totals,
     )
+}
+
+/// `{"name": value, ...}`.
+fn json_object(fields: &[(&str, u64)]) -> String {
+    format!("{{{}}}", json_fields(fields))
+}
+
+/// `"name": value, ...`: an object's fields.
+fn json_fields(fields: &[(&str, u64)]) -> String {
+    let fields: Vec<String> = fields
+        .iter()
+        .map(|(name, value)| format!("\"{name}\": {value}"))
+        .collect();
+    fields.join(", ")
 }
 
 /// `text` as a JSON string, quotes included.

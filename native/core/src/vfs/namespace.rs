@@ -14,6 +14,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use crate::backends::bucket::{Bucket, describe, errno_of};
 use crate::backends::s3_get::GetError;
+use crate::sync::{lock, read, write};
 
 pub const ROOT: u64 = 1;
 
@@ -141,7 +142,7 @@ impl Namespace {
     /// Forgets the listing of the node's directory: the object changed under a reader (ESTALE), so the
     /// next open lists it again and pins the new version rather than fail the same way.
     pub fn changed(&self, node: &Node) {
-        let mut table = self.table.write().unwrap_or_else(|e| e.into_inner());
+        let mut table = write(&self.table);
         if let Some(listing) = table.listings.get_mut(&node.parent) {
             listing.outdated = true;
         }
@@ -165,11 +166,8 @@ impl Namespace {
         if self.listed_within(dir, self.config.dir_ttl) {
             return Ok(());
         }
-        let lock = {
-            let mut locks = self.listing_locks.lock().unwrap_or_else(|e| e.into_inner());
-            locks.entry(dir).or_default().clone()
-        };
-        let _listing = lock.lock().unwrap_or_else(|e| e.into_inner());
+        let listing_lock = lock(&self.listing_locks).entry(dir).or_default().clone();
+        let _listing = lock(&listing_lock);
         if self.listed_within(dir, self.config.dir_ttl) {
             return Ok(()); // listed by the reader we waited for
         }
@@ -214,7 +212,7 @@ impl Namespace {
     }
 
     fn apply_listing(&self, dir: u64, prefix: &str, page: crate::backends::s3_list::ListPage) {
-        let mut table = self.table.write().unwrap_or_else(|e| e.into_inner());
+        let mut table = write(&self.table);
         let mut children = BTreeMap::new();
         for object in page.objects {
             let Some(name) = child_name(prefix, &object.key) else {
@@ -288,10 +286,6 @@ fn now_secs() -> i64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_secs() as i64)
-}
-
-fn read<T>(lock: &RwLock<T>) -> std::sync::RwLockReadGuard<'_, T> {
-    lock.read().unwrap_or_else(|e| e.into_inner())
 }
 
 #[cfg(test)]

@@ -10,6 +10,7 @@ use std::sync::{Arc, Mutex};
 use crate::backends::bucket::{describe, errno_of};
 use crate::cache::disk::{self, DiskTier};
 use crate::cache::memory::{Block, BlockKey, FetchError, MemoryTier, Served};
+use crate::sync::lock;
 use crate::vfs::namespace::{Errno, Namespace, Node};
 
 #[derive(Clone, Debug)]
@@ -125,11 +126,11 @@ impl Blocks {
     }
 
     pub fn disk_usage(&self) -> DiskUsage {
-        *self.disk_usage.lock().unwrap_or_else(|e| e.into_inner())
+        *lock(&self.disk_usage)
     }
 
     pub fn set_disk_usage(&self, usage: DiskUsage) {
-        *self.disk_usage.lock().unwrap_or_else(|e| e.into_inner()) = usage;
+        *lock(&self.disk_usage) = usage;
     }
 
     /// Up to `size` bytes of `file` from `offset` (fewer at its end).
@@ -146,7 +147,7 @@ impl Blocks {
             return Ok(ReadOut::Joined(Vec::new()));
         }
         let sequential = {
-            let mut next = file.next_offset.lock().unwrap_or_else(|e| e.into_inner());
+            let mut next = lock(&file.next_offset);
             let was = *next == offset;
             *next = end;
             was
